@@ -1,0 +1,214 @@
+"""The ``vllm-patches`` command: verbs that each do one thing.
+
+Exit codes: 0 done (or nothing to do, or a --check that passed); 1 refused (a
+patch conflicts, the series is half-applied, files the series touches have local
+changes, patches/ is stale); 2 bad input (not a git repository, not a vLLM tree,
+unknown or unsupported release, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from packaging.version import Version
+
+from vllm_patches import _git, _patches, _releases, _series
+from vllm_patches._checkout import Checkout, State
+from vllm_patches._errors import Refused, UserError
+
+EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _release_arg(text: str) -> Version:
+    return _releases.parse_release(text)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    series = _series.load()
+    for number, fix in enumerate(series.fixes, start=1):
+        upstream = f"upstream since v{fix.upstream_since}" if fix.upstream_since else "not upstream"
+        print(f"{number}. {fix.id} {fix.slug}: {fix.title}")
+        print(f"   needed on vLLM {fix.releases}; {upstream}")
+        print(f"   bug {fix.bug}" + (f"; PR {fix.pr}" if fix.pr else ""))
+        if args.verbose:
+            for label, text in (("What", fix.what), ("Why", fix.why), ("How", fix.how),
+                                ("Future", fix.future)):
+                print(f"   {label}: " + "\n     ".join(text.splitlines()))
+    lanes = ", ".join(f"v{r}" for r in series.releases)
+    print(f"patches generated for: {lanes} (default v{series.default_release})")
+    return EXIT_OK
+
+
+def _checkout(args: argparse.Namespace) -> Checkout:
+    return Checkout(Path(args.checkout), args.release, _series.load())
+
+
+def _print_statuses(checkout: Checkout, statuses) -> None:
+    print(f"{checkout.path}: vLLM v{checkout.release}")
+    for status in statuses:
+        print(f"  {status.line()}")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    checkout = _checkout(args)
+    statuses = checkout.statuses()
+    _print_statuses(checkout, statuses)
+    return EXIT_REFUSED if any(s.state is State.CONFLICT for s in statuses) else EXIT_OK
+
+
+def _default_checkout(release: Version | None) -> Path:
+    """A fresh working copy of the (default) release in the current directory."""
+    release = release or _series.load().default_release
+    target = Path.cwd() / f"vllm-v{release}"
+    if not target.exists():
+        pristine = _releases.fetch(release)
+        _git.run(Path.cwd(), "clone", "--quiet", str(pristine), str(target))
+        print(f"fetched vLLM v{release} into {target}")
+    return target
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    if args.checkout is None:
+        args.checkout = str(_default_checkout(args.release))
+    checkout = _checkout(args)
+    planned = checkout.apply(commit=not args.no_commit, three_way=args.three_way, check=args.check)
+    return _report(checkout, planned, args.check, "applies", "apply")
+
+
+def cmd_revert(args: argparse.Namespace) -> int:
+    checkout = _checkout(args)
+    planned = checkout.revert(commit=not args.no_commit, check=args.check)
+    return _report(checkout, planned, args.check, "reverts", "revert")
+
+
+def _report(checkout: Checkout, planned, check: bool, verb: str, noun: str) -> int:
+    _print_statuses(checkout, checkout.statuses())
+    ids = ", ".join(s.fix.id for s in planned)
+    if not planned:
+        print(f"nothing to {noun}")
+    elif check:
+        print(f"check passed: {ids} {verb} cleanly")
+    else:
+        print(f"done: {ids}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    series = _series.load()
+    fix = series.fix(args.fix)
+    releases = [args.release] if args.release else sorted(series.releases, reverse=True)
+    for release in releases:
+        series.require_supported(release)
+        for path in _patches.series_patches(release):
+            if path.name.endswith(f"-{fix.name}.patch"):
+                text = path.read_text()
+                if args.output:
+                    Path(args.output).write_text(text)
+                    print(f"wrote {args.output} ({fix.id} for vLLM v{release})")
+                else:
+                    sys.stdout.write(text)
+                return EXIT_OK
+        if args.release:
+            raise UserError(f"{fix.id} has no patch for v{release}: {fix.verdict(release)}")
+    raise UserError(f"{fix.id} has no patch for any supported release")
+
+
+def cmd_regen(args: argparse.Namespace) -> int:
+    series = _series.load()
+    releases = args.release or list(series.releases)
+    stale = []
+    for release in releases:
+        series.require_supported(release)
+        files = _patches.render(series, release, _releases.fetch(release))
+        existing = _patches.committed(release)
+        if files == existing:
+            print(f"v{release}: up to date ({len(files) - 1} patches)")
+            continue
+        if args.check:
+            changed = sorted(name for name in files.keys() | existing.keys()
+                             if files.get(name) != existing.get(name))
+            stale.append(f"v{release}: {', '.join(changed)}")
+            continue
+        directory = _patches.release_dir(release)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in existing.keys() - files.keys():
+            (directory / name).unlink()
+        for name, text in files.items():
+            (directory / name).write_text(text)
+        print(f"v{release}: wrote {len(files) - 1} patches to {directory}")
+    if stale:
+        raise Refused("patches/ is stale, run `vllm-patches regen`: " + "; ".join(stale))
+    return EXIT_OK
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    print(_releases.fetch(args.release_positional))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-patches", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    def verb(name: str, func, help_text: str) -> argparse.ArgumentParser:
+        sub = verbs.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(func=func)
+        return sub
+
+    def release_option(sub: argparse.ArgumentParser, **kwargs) -> None:
+        sub.add_argument("--release", type=_release_arg, metavar="vX.Y.Z", **kwargs)
+
+    sub = verb("list", cmd_list, "the series, in order, with its metadata")
+    sub.add_argument("-v", "--verbose", action="store_true", help="also What/Why/How/Future")
+
+    sub = verb("status", cmd_status, "per fix: applicable, applied, upstream, not applicable or conflict")
+    sub.add_argument("checkout")
+    release_option(sub, help="the checkout's release, if it cannot be detected")
+
+    sub = verb("apply", cmd_apply, "apply the whole series for the checkout's release, all or nothing")
+    sub.add_argument("checkout", nargs="?",
+                     help="a vLLM git checkout (default: fetch the release into ./vllm-vX.Y.Z)")
+    release_option(sub, help="the checkout's release (default: detected; without a checkout, "
+                             "the default lane)")
+    sub.add_argument("--check", action="store_true", help="only say whether it would apply")
+    sub.add_argument("--3way", dest="three_way", action="store_true",
+                     help="let git fall back to a 3-way merge")
+    sub.add_argument("--no-commit", action="store_true",
+                     help="change the work tree only (git apply) instead of commits (git am)")
+
+    sub = verb("revert", cmd_revert, "undo the applied series, all or nothing")
+    sub.add_argument("checkout")
+    release_option(sub, help="the checkout's release, if it cannot be detected")
+    sub.add_argument("--check", action="store_true", help="only say whether it would revert")
+    sub.add_argument("--no-commit", action="store_true",
+                     help="change the work tree only instead of adding revert commits")
+
+    sub = verb("export", cmd_export, "write one fix's patch, ready for an upstream PR")
+    sub.add_argument("fix", help="fix id, e.g. F1")
+    release_option(sub, help="the release to export for (default: newest lane that has it)")
+    sub.add_argument("-o", "--output", help="file to write (default: stdout)")
+
+    sub = verb("regen", cmd_regen, "regenerate patches/ from the overlays")
+    sub.add_argument("--check", action="store_true",
+                     help="fail (exit 1) if patches/ differs from what the overlays generate")
+    release_option(sub, action="append", help="only this lane (repeatable)")
+
+    sub = verb("fetch", cmd_fetch, "fetch a release's source archive into a cached git checkout")
+    sub.add_argument("release_positional", type=_release_arg, metavar="RELEASE")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except Refused as exc:
+        print(f"vllm-patches: refused: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except UserError as exc:
+        print(f"vllm-patches: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT

@@ -1,0 +1,60 @@
+"""Every git operation the tool performs, in one place. git is the patch engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from vllm_patches._errors import UserError
+
+
+class GitError(UserError):
+    """A git command failed; carries git's own message."""
+
+
+def run(repo: Path, *args: str, env: dict[str, str] | None = None, check: bool = True,
+        input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``git -C repo args``; raise GitError with git's stderr when ``check`` and it fails."""
+    full_env = {**os.environ, **env} if env else None
+    proc = subprocess.run(
+        ["git", "-C", str(repo), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        input=input,
+    )
+    if check and proc.returncode != 0:
+        message = (proc.stderr or proc.stdout).strip().splitlines()
+        raise GitError(f"git {args[0]} failed in {repo}: {message[0] if message else proc.returncode}")
+    return proc
+
+
+def is_repo(path: Path) -> bool:
+    return run(path, "rev-parse", "--git-dir", check=False).returncode == 0 if path.is_dir() else False
+
+
+def has_ref(repo: Path, ref: str) -> bool:
+    return run(repo, "rev-parse", "--verify", "--quiet", ref, check=False).returncode == 0
+
+
+def head(repo: Path) -> str:
+    return run(repo, "rev-parse", "HEAD").stdout.strip()
+
+
+def tags_at_head(repo: Path) -> list[str]:
+    proc = run(repo, "tag", "--points-at", "HEAD", check=False)
+    return proc.stdout.split() if proc.returncode == 0 else []
+
+
+def init_release_repo(tree: Path, tag: str, commit_env: dict[str, str]) -> None:
+    """Turn an unpacked release into a repository with one commit tagged ``tag``.
+
+    ``add -f``: vLLM's ``.gitignore`` matches files the release ships (``*_hip*``);
+    without it they would be left out and a later clean would delete them.
+    """
+    run(tree, "init", "-q", "-b", "main")
+    run(tree, "add", "-A", "-f")
+    run(tree, "-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "-m",
+        f"vLLM {tag} (source archive)", env=commit_env)
+    run(tree, "tag", tag)

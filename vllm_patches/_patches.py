@@ -1,0 +1,183 @@
+"""Overlays -> git patches: splice each fix into a release tree, commit, format-patch.
+
+Patch k of a release is the diff between the tree with fixes 1..k spliced in and the
+tree with fixes 1..k-1, so a later fix that changes a method an earlier one changed
+applies on top of it. Commits are built in a scratch index (no work tree is touched)
+with a fixed identity and date, so the same overlays always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from vllm_patches import _git, _releases, _series
+from vllm_patches._errors import UserError
+from vllm_patches._series import Fix, Series
+from vllm_patches._splice import Overlay, splice
+
+PATCH_AUTHOR_NAME = "vllm-patches maintainers"
+PATCH_AUTHOR_EMAIL = "vllm-patches@users.noreply.github.com"
+# A fixed date keeps regenerated patches byte-identical.
+PATCH_DATE = "2026-11-22T00:00:00Z"
+PATCH_COMMIT_ENV = {
+    "GIT_AUTHOR_NAME": PATCH_AUTHOR_NAME,
+    "GIT_AUTHOR_EMAIL": PATCH_AUTHOR_EMAIL,
+    "GIT_COMMITTER_NAME": PATCH_AUTHOR_NAME,
+    "GIT_COMMITTER_EMAIL": PATCH_AUTHOR_EMAIL,
+    "GIT_AUTHOR_DATE": PATCH_DATE,
+    "GIT_COMMITTER_DATE": PATCH_DATE,
+}
+SERIES_FILE = "series"
+
+
+@dataclass(frozen=True)
+class ReleasePatch:
+    """The generated patch of one fix for one release."""
+
+    fix: Fix
+    number: int  # 1-based position among the patches of this release
+    text: str
+
+    @property
+    def filename(self) -> str:
+        return f"{self.number:04d}-{self.fix.name}.patch"
+
+
+def patches_dir() -> Path:
+    """Where the committed patches are: inside the package when installed from a wheel."""
+    bundled = _series.PACKAGE_DIR / "patches"
+    return bundled if bundled.is_dir() else _series.PATCHES_DIR
+
+
+def release_dir(release: Version) -> Path:
+    return patches_dir() / f"v{release}"
+
+
+def commit_message(fix: Fix, release: Version, upstream_commit: str | None) -> str:
+    """Subject, Why/How body, DEP-3 trailers and Signed-off-by for ``fix``."""
+    origin = f"backport, {fix.pr}" if fix.upstream_since else "vendor, vllm-patches"
+    base = f"vLLM v{release}" + (f" ({upstream_commit})" if upstream_commit else "")
+    trailers = [
+        f"Origin: {origin}",
+        f"Bug: {fix.bug}",
+        f"Forwarded: {fix.pr or 'no'}",
+    ]
+    if fix.upstream_since:
+        trailers.append(f"Applied-Upstream: v{fix.upstream_since}")
+    trailers += [
+        f"Base: {base}",
+        f"Vllm-Patches-Fix: {fix.id}",
+        f"Signed-off-by: {PATCH_AUTHOR_NAME} <{PATCH_AUTHOR_EMAIL}>",
+    ]
+    return "\n\n".join(
+        [fix.title, f"Why:\n{fix.why}", f"How:\n{fix.how}", "\n".join(trailers)]
+    ) + "\n"
+
+
+def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -> dict[str, str]:
+    """Upstream path -> source with ``fixes`` (in series order) spliced in."""
+    ids = [fix.id for fix in fixes]
+    overlays = dict.fromkeys(overlay for fix in fixes for overlay in fix.overlays)
+    sources: dict[str, str] = {}
+    for overlay in overlays:
+        upstream_path = Fix.upstream_path(overlay)
+        shown = _git.run(tree, "show", f"{base}:{upstream_path}", check=False)
+        if shown.returncode != 0:
+            raise UserError(f"v{release} has no {upstream_path} (overlay {overlay})")
+        parsed = Overlay.parse(_series.PACKAGE_DIR / overlay)
+        definitions = parsed.select(ids, release)
+        sources[upstream_path] = splice(shown.stdout, definitions, parsed.imports, parsed.path)
+    return sources
+
+
+def check_formatted(tree: Path, upstream_path: str, source: str) -> None:
+    """The spliced file must pass ``ruff format --check`` under the release's own config."""
+    if importlib.util.find_spec("ruff") is None:
+        raise UserError("regen needs ruff to check the spliced files: pip install 'vllm-patches[dev]'")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--stdin-filename", upstream_path, "-"],
+        cwd=tree,
+        input=source,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise UserError(
+            f"spliced {upstream_path} is not ruff-formatted under v{tree.name}'s config; "
+            "format the overlay: " + (proc.stderr or proc.stdout).strip().splitlines()[-1]
+        )
+
+
+def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]:
+    """The patches of ``release``, generated from the overlays against ``tree``.
+
+    ``tree`` is a git checkout whose HEAD is the pristine release (what ``fetch`` makes).
+    """
+    base = _git.head(tree)
+    upstream_commit = _releases.upstream_commit(tree)
+    patches: list[ReleasePatch] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**PATCH_COMMIT_ENV, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        _git.run(tree, "read-tree", base, env=env)
+        parent = base
+        applicable = series.applicable(release)
+        for number, fix in enumerate(applicable, start=1):
+            sources = spliced_sources(tree, base, applicable[:number], release)
+            for upstream_path, source in sources.items():
+                check_formatted(tree, upstream_path, source)
+                blob = _git.run(tree, "hash-object", "-w", "--stdin", input=source).stdout.strip()
+                _git.run(tree, "update-index", "--cacheinfo", f"100644,{blob},{upstream_path}",
+                         env=env)
+            written = _git.run(tree, "write-tree", env=env).stdout.strip()
+            if written == _git.run(tree, "rev-parse", f"{parent}^{{tree}}").stdout.strip():
+                raise UserError(f"{fix.id} changes nothing on v{release}: no overlay variant holds it")
+            message = commit_message(fix, release, upstream_commit)
+            parent = _git.run(tree, "commit-tree", written, "-p", parent, "-F", "-",
+                              env=env, input=message).stdout.strip()
+            text = _git.run(tree, "format-patch", "-1", parent, "--stdout", "--zero-commit",
+                            "--no-signature", "--full-index", f"--start-number={number}",
+                            "--numbered" if len(applicable) > 1 else "--no-numbered",
+                            env=env).stdout
+            patches.append(ReleasePatch(fix, number, text))
+    return patches
+
+
+def series_file(series: Series, release: Version, patches: list[ReleasePatch]) -> str:
+    """quilt's series file: the patches in order; fixes not applied are comments saying why."""
+    lines = [f"# vllm-patches series for vLLM v{release}; generated, do not edit."]
+    by_fix = {patch.fix.id: patch for patch in patches}
+    for fix in series.fixes:
+        if fix.id in by_fix:
+            lines.append(by_fix[fix.id].filename)
+        else:
+            lines.append(f"# {fix.name}: {fix.verdict(release)}")
+    return "\n".join(lines) + "\n"
+
+
+def render(series: Series, release: Version, tree: Path) -> dict[str, str]:
+    """File name -> content of ``patches/v<release>/``."""
+    patches = generate(series, release, tree)
+    files = {patch.filename: patch.text for patch in patches}
+    files[SERIES_FILE] = series_file(series, release, patches)
+    return files
+
+
+def committed(release: Version) -> dict[str, str]:
+    directory = release_dir(release)
+    if not directory.is_dir():
+        return {}
+    return {path.name: path.read_text() for path in sorted(directory.iterdir())}
+
+
+def series_patches(release: Version) -> list[Path]:
+    """The committed patch files of ``release``, in series order."""
+    directory = release_dir(release)
+    lines = (directory / SERIES_FILE).read_text().splitlines()
+    return [directory / line for line in lines if line and not line.startswith("#")]

@@ -1,0 +1,183 @@
+"""vLLM releases: fetch a release's source archive into a git checkout, and detect
+which release a checkout is.
+
+A fetched release is the sdist from the package index, verified against the sha256
+the index publishes, unpacked, and committed as one commit tagged ``vX.Y.Z`` so it
+behaves like an upstream checkout. The repo never holds vLLM sources; the cache does.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from vllm_patches import _git
+from vllm_patches._errors import UserError
+
+INDEX_URL = "https://pypi.org/simple/vllm/"
+# PEP 691: the JSON form of the simple API lists every file with its sha256.
+INDEX_ACCEPT = "application/vnd.pypi.simple.v1+json"
+# Author and date of the synthetic release commit: fixed, so that every fetch of a
+# release yields the same commit id and generated patches carry the same base.
+RELEASE_COMMIT_ENV = {
+    "GIT_AUTHOR_NAME": "vLLM release archive",
+    "GIT_AUTHOR_EMAIL": "release@vllm.invalid",
+    "GIT_COMMITTER_NAME": "vLLM release archive",
+    "GIT_COMMITTER_EMAIL": "release@vllm.invalid",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+}
+# Build metadata that the sdist carries but an upstream checkout does not.
+SDIST_BUILD_METADATA = ("PKG-INFO", "vllm.egg-info")
+
+
+def cache_root() -> Path:
+    """Where fetched archives and checkouts live (never inside the repo's tracked files)."""
+    env = os.environ.get("VLLM_PATCHES_CACHE")
+    if env:
+        return Path(env).expanduser().resolve()
+    xdg = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
+    return Path(xdg) / "vllm-patches"
+
+
+def parse_release(text: str) -> Version:
+    """``v0.21.0`` or ``0.21.0`` -> Version; a clear error otherwise."""
+    try:
+        return Version(text.strip().removeprefix("v"))
+    except InvalidVersion:
+        raise UserError(f"not a vLLM release: {text!r} (expected e.g. v0.21.0)") from None
+
+
+def release_tag(version: Version) -> str:
+    return f"v{version}"
+
+
+def checkout_path(version: Version) -> Path:
+    return cache_root() / "src" / release_tag(version)
+
+
+def _index_entry(version: Version) -> dict:
+    request = urllib.request.Request(INDEX_URL, headers={"Accept": INDEX_ACCEPT})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            index = json.load(response)
+    except OSError as exc:
+        raise UserError(f"cannot read the package index at {INDEX_URL}: {exc}") from None
+    filename = f"vllm-{version}.tar.gz"
+    for entry in index["files"]:
+        if entry["filename"] == filename:
+            return entry
+    raise UserError(f"vLLM {release_tag(version)} has no source archive on the index ({filename})")
+
+
+def _download_sdist(version: Version) -> Path:
+    """Download (or reuse) the verified sdist of ``version``; returns its path."""
+    entry = _index_entry(version)
+    expected = entry["hashes"]["sha256"]
+    target = cache_root() / "sdist" / entry["filename"]
+    if target.exists() and _sha256(target) == expected:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".part")
+    with urllib.request.urlopen(entry["url"], timeout=600) as response, open(partial, "wb") as out:
+        shutil.copyfileobj(response, out, length=1 << 20)
+    actual = _sha256(partial)
+    if actual != expected:
+        partial.unlink()
+        raise UserError(
+            f"{entry['filename']}: sha256 {actual} does not match the index's {expected}"
+        )
+    partial.replace(target)
+    return target
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch(version: Version) -> Path:
+    """Return a git checkout of release ``version``, creating it from the sdist if needed.
+
+    The checkout has exactly one commit, tagged ``v<version>``, holding every file of
+    the sdist except its build metadata. Files that vLLM's own ``.gitignore`` matches
+    (e.g. ``*_hip*`` modules the release ships) are committed too.
+    """
+    dest = checkout_path(version)
+    tag = release_tag(version)
+    if (dest / ".git").is_dir() and _git.has_ref(dest, f"refs/tags/{tag}"):
+        return dest
+    sdist = _download_sdist(version)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as scratch:
+        with tarfile.open(sdist) as archive:
+            archive.extractall(scratch, filter="data")
+        (top,) = Path(scratch).iterdir()
+        for name in SDIST_BUILD_METADATA:
+            path = top / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        _git.init_release_repo(top, tag, RELEASE_COMMIT_ENV)
+        if dest.exists():
+            shutil.rmtree(dest)
+        top.rename(dest)
+    return dest
+
+
+def _version_file_value(checkout: Path, name: str) -> str | None:
+    """The string assigned to ``name`` in the checkout's generated ``vllm/_version.py``."""
+    version_file = checkout / "vllm" / "_version.py"
+    if not version_file.is_file():
+        return None
+    for node in ast.parse(version_file.read_text()).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            if name in names and isinstance(node.value, ast.Constant):
+                return str(node.value.value)
+    return None
+
+
+def upstream_commit(checkout: Path) -> str | None:
+    """The upstream commit a release was built from (``g9da56fd18`` -> ``9da56fd18``)."""
+    commit = _version_file_value(checkout, "__commit_id__")
+    return commit.removeprefix("g") if commit else None
+
+
+def detect_release(checkout: Path) -> Version:
+    """The vLLM release a checkout is: ``vllm/_version.py`` first, then a release tag at HEAD."""
+    declared = _version_file_value(checkout, "__version__")
+    if declared:
+        try:
+            version = Version(declared)
+        except InvalidVersion:
+            raise UserError(f"{checkout}: vllm/_version.py declares {declared!r}") from None
+        if version.is_devrelease or version.is_prerelease:
+            raise UserError(
+                f"{checkout}: vLLM {declared} is a development build, not a release; "
+                "pass --release if its sources match one"
+            )
+        return Version(version.base_version)
+    for tag in _git.tags_at_head(checkout):
+        try:
+            return parse_release(tag)
+        except UserError:
+            continue
+    raise UserError(
+        f"{checkout}: cannot tell which vLLM release this is "
+        "(no vllm/_version.py and no release tag at HEAD); pass --release"
+    )

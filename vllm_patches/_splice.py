@@ -1,0 +1,327 @@
+"""Splice overlay definitions into an upstream module with libcst.
+
+Everything the overlay does not name stays byte-identical: only the named top-level
+definitions and class members are replaced or inserted, and only the imports the
+spliced code uses and upstream lacks are added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import libcst as cst
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from vllm_patches._errors import UserError
+from vllm_patches._overlay import ADD, AMEND
+
+MARKERS = {AMEND, ADD}
+CALL_AT_END_OF = "call_at_end_of"
+OWN_PACKAGE = "vllm_patches"
+
+
+class SpliceError(UserError):
+    """An overlay names something the upstream module does not have (or already has)."""
+
+
+@dataclass(frozen=True)
+class OverlayDefinition:
+    """One marked top-level definition of an overlay module."""
+
+    kind: str  # AMEND or ADD
+    fix: str
+    releases: SpecifierSet
+    node: cst.ClassDef | cst.FunctionDef  # marker decorator already removed
+
+    @property
+    def name(self) -> str:
+        return self.node.name.value
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """A parsed overlay module: its marked definitions and the imports they may need."""
+
+    path: Path
+    definitions: tuple[OverlayDefinition, ...]
+    imports: tuple[cst.SimpleStatementLine, ...]
+
+    @classmethod
+    def parse(cls, path: Path) -> Overlay:
+        module = cst.parse_module(path.read_text())
+        definitions: list[OverlayDefinition] = []
+        imports: list[cst.SimpleStatementLine] = []
+        for statement in module.body:
+            if _is_import(statement):
+                if not _imports_from(statement, (OWN_PACKAGE, "__future__")):
+                    imports.append(statement)
+            elif isinstance(statement, (cst.ClassDef, cst.FunctionDef)):
+                definitions.append(_parse_definition(path, statement))
+        return cls(path, tuple(definitions), tuple(imports))
+
+    def fixes(self) -> set[str]:
+        return {d.fix for d in self.definitions}
+
+    def select(self, fixes: list[str], release: Version) -> list[OverlayDefinition]:
+        """The definitions of ``fixes`` whose range holds ``release``, in series order."""
+        chosen = [d for d in self.definitions if d.fix in fixes and release in d.releases]
+        for i, first in enumerate(chosen):
+            for second in chosen[i + 1 :]:
+                if (first.fix, first.name) == (second.fix, second.name):
+                    raise SpliceError(
+                        f"{self.path}: two variants of {first.fix} {first.name} "
+                        f"hold v{release} ({first.releases} and {second.releases})"
+                    )
+        return sorted(chosen, key=lambda d: fixes.index(d.fix))
+
+
+def _parse_definition(path: Path, node: cst.ClassDef | cst.FunctionDef) -> OverlayDefinition:
+    markers = [d for d in node.decorators if _decorator_name(d) in MARKERS]
+    if len(markers) != 1:
+        raise SpliceError(
+            f"{path}: {node.name.value} needs exactly one @amend(...) or @add(...) marker"
+        )
+    (marker,) = markers
+    args = _string_args(path, marker, ("fix", "releases"))
+    return OverlayDefinition(
+        kind=_decorator_name(marker),
+        fix=args["fix"],
+        releases=SpecifierSet(args["releases"]),
+        node=node.with_changes(decorators=[d for d in node.decorators if d is not marker]),
+    )
+
+
+def _decorator_name(decorator: cst.Decorator) -> str | None:
+    target = decorator.decorator
+    if isinstance(target, cst.Call):
+        target = target.func
+    return target.value if isinstance(target, cst.Name) else None
+
+
+def _string_args(path: Path, decorator: cst.Decorator, names: tuple[str, ...]) -> dict[str, str]:
+    call = decorator.decorator
+    if not isinstance(call, cst.Call):
+        raise SpliceError(f"{path}: @{_decorator_name(decorator)} must be called with arguments")
+    values: dict[str, str] = {}
+    for position, arg in enumerate(call.args):
+        key = arg.keyword.value if arg.keyword else names[position]
+        if not isinstance(arg.value, cst.SimpleString):
+            raise SpliceError(f"{path}: @{_decorator_name(decorator)} takes string literals only")
+        values[key] = arg.value.evaluated_value
+    if set(values) != set(names):
+        raise SpliceError(f"{path}: @{_decorator_name(decorator)} needs {', '.join(names)}")
+    return values
+
+
+def _is_import(statement: cst.CSTNode) -> bool:
+    return isinstance(statement, cst.SimpleStatementLine) and isinstance(
+        statement.body[0], (cst.Import, cst.ImportFrom)
+    )
+
+
+def _imports_from(statement: cst.SimpleStatementLine, packages: tuple[str, ...]) -> bool:
+    node = statement.body[0]
+    if isinstance(node, cst.ImportFrom):
+        if node.relative or node.module is None:
+            return False
+        dotted = cst.Module([]).code_for_node(node.module)
+        return dotted.split(".")[0] in packages
+    return False
+
+
+def _bound_names(statement: cst.SimpleStatementLine) -> list[tuple[str, cst.ImportAlias]]:
+    """(name the import binds, its alias node) for each alias of an import statement."""
+    node = statement.body[0]
+    assert isinstance(node, (cst.Import, cst.ImportFrom))
+    assert not isinstance(node.names, cst.ImportStar), "star imports are not supported"
+    bound = []
+    for alias in node.names:
+        if alias.asname is not None:
+            bound.append((alias.asname.name.value, alias))
+        else:
+            dotted = cst.Module([]).code_for_node(alias.name)
+            bound.append((dotted.split(".")[0], alias))
+    return bound
+
+
+def _member_name(node: cst.CSTNode) -> str | None:
+    if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+        return node.name.value
+    if isinstance(node, cst.SimpleStatementLine) and len(node.body) == 1:
+        small = node.body[0]
+        target = None
+        if isinstance(small, cst.AnnAssign):
+            target = small.target
+        elif isinstance(small, cst.Assign) and len(small.targets) == 1:
+            target = small.targets[0].target
+        if isinstance(target, cst.Name):
+            return target.value
+    return None
+
+
+def _is_docstring(node: cst.CSTNode) -> bool:
+    return (
+        isinstance(node, cst.SimpleStatementLine)
+        and isinstance(node.body[0], cst.Expr)
+        and isinstance(node.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+def _comment_lines(node: cst.CSTNode) -> list[cst.EmptyLine]:
+    return [line for line in getattr(node, "leading_lines", ()) if line.comment is not None]
+
+
+def _with_leading(blank: list[cst.EmptyLine], own: cst.CSTNode) -> cst.CSTNode:
+    """``own`` with the blank lines ``blank`` and ``own``'s comment lines in front."""
+    return own.with_changes(leading_lines=[*blank, *_comment_lines(own)])
+
+
+def _blank_lines(node: cst.CSTNode) -> list[cst.EmptyLine]:
+    return [line for line in getattr(node, "leading_lines", ()) if line.comment is None]
+
+
+class _NameCollector(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.names.add(node.value)
+
+
+def _used_names(nodes: list[cst.CSTNode]) -> set[str]:
+    collector = _NameCollector()
+    for node in nodes:
+        node.visit(collector)
+    return collector.names
+
+
+def _module_bindings(module: cst.Module) -> set[str]:
+    """Names bound unconditionally at the top level of ``module``."""
+    bound: set[str] = set()
+    for statement in module.body:
+        name = _member_name(statement)
+        if name:
+            bound.add(name)
+        elif _is_import(statement) and not isinstance(statement.body[0].names, cst.ImportStar):
+            bound.update(name for name, _ in _bound_names(statement))
+    return bound
+
+
+def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> cst.ClassDef:
+    """Replace same-named members in place; insert new ones next to the replaced ones.
+
+    New members that precede a replaced member in the overlay are inserted right
+    before it; new members after the last replaced one follow it; with no replaced
+    member at all they go to the end of the class.
+    """
+    body = list(upstream.body.body)
+    index = {_member_name(node): i for i, node in enumerate(body) if _member_name(node)}
+    pending: list[cst.CSTNode] = []
+    cursor = len(body)
+    end_calls: list[tuple[str, str]] = []
+    for member in overlay.body.body:
+        if _is_docstring(member):
+            continue
+        name = _member_name(member)
+        if name is None:
+            raise SpliceError(f"{path}: {overlay.name.value} holds a statement that names nothing")
+        member, call_target = _strip_call_at_end_of(member)
+        if call_target:
+            end_calls.append((call_target, name))
+        if name in index:
+            position = index[name]
+            replaced = body[position]
+            body[position] = _with_leading(_blank_lines(replaced), member)
+            body[position:position] = pending
+            cursor = position + len(pending) + 1
+            pending = []
+            index = {_member_name(n): i for i, n in enumerate(body) if _member_name(n)}
+        else:
+            pending.append(_with_leading([cst.EmptyLine(indent=False)], member))
+    body[cursor:cursor] = pending
+    amended = upstream.with_changes(body=upstream.body.with_changes(body=body))
+    for target, method in end_calls:
+        amended = _append_call(amended, target, method, path)
+    return amended
+
+
+def _strip_call_at_end_of(member: cst.CSTNode) -> tuple[cst.CSTNode, str | None]:
+    if not isinstance(member, cst.FunctionDef):
+        return member, None
+    for decorator in member.decorators:
+        if _decorator_name(decorator) == CALL_AT_END_OF:
+            call = decorator.decorator
+            assert isinstance(call, cst.Call) and isinstance(call.args[0].value, cst.SimpleString)
+            target = call.args[0].value.evaluated_value
+            kept = [d for d in member.decorators if d is not decorator]
+            return member.with_changes(decorators=kept), target
+    return member, None
+
+
+def _append_call(cls: cst.ClassDef, target: str, method: str, path: Path) -> cst.ClassDef:
+    body = list(cls.body.body)
+    for i, node in enumerate(body):
+        if isinstance(node, cst.FunctionDef) and node.name.value == target:
+            call = cst.parse_statement(f"self.{method}()\n")
+            statements = list(node.body.body)
+            if not any(cst.Module([]).code_for_node(s) == cst.Module([]).code_for_node(call)
+                       for s in statements):
+                statements.append(call)
+            body[i] = node.with_changes(body=node.body.with_changes(body=statements))
+            return cls.with_changes(body=cls.body.with_changes(body=body))
+    raise SpliceError(f"{path}: {cls.name.value} has no {target} to call {method} from")
+
+
+def splice(upstream_source: str, definitions: list[OverlayDefinition],
+           imports: tuple[cst.SimpleStatementLine, ...], path: Path) -> str:
+    """``upstream_source`` with ``definitions`` spliced in, in order."""
+    module = cst.parse_module(upstream_source)
+    body = list(module.body)
+    top = {_member_name(node): i for i, node in enumerate(body) if _member_name(node)}
+    for definition in definitions:
+        name = definition.name
+        node = definition.node
+        if definition.kind == ADD:
+            if name in top:
+                raise SpliceError(f"{path}: @add {name}, but upstream already defines it")
+            body.append(_with_leading([cst.EmptyLine(indent=False), cst.EmptyLine(indent=False)], node))
+            top[name] = len(body) - 1
+            continue
+        if name not in top:
+            raise SpliceError(f"{path}: @amend {name}, but upstream has no such definition")
+        position = top[name]
+        current = body[position]
+        if isinstance(node, cst.ClassDef):
+            if not isinstance(current, cst.ClassDef):
+                raise SpliceError(f"{path}: @amend class {name}, but upstream {name} is no class")
+            body[position] = _amend_class(current, node, path)
+        else:
+            body[position] = _with_leading(_blank_lines(current), node)
+    module = module.with_changes(body=body)
+    return _add_imports(module, [d.node for d in definitions], imports).code
+
+
+def _add_imports(module: cst.Module, spliced: list[cst.CSTNode],
+                 imports: tuple[cst.SimpleStatementLine, ...]) -> cst.Module:
+    """Add the overlay imports that ``spliced`` uses and ``module`` does not bind."""
+    used = _used_names(spliced)
+    present = _module_bindings(module)
+    added: list[cst.SimpleStatementLine] = []
+    for statement in imports:
+        wanted = [alias for name, alias in _bound_names(statement)
+                  if name in used and name not in present]
+        if not wanted:
+            continue
+        wanted[-1] = wanted[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        node = statement.body[0].with_changes(names=wanted)
+        if isinstance(node, cst.ImportFrom):
+            node = node.with_changes(lpar=None, rpar=None)
+        added.append(statement.with_changes(body=[node], leading_lines=[]))
+    if not added:
+        return module
+    body = list(module.body)
+    last_import = max(i for i, s in enumerate(body) if _is_import(s))
+    body[last_import + 1 : last_import + 1] = added
+    return module.with_changes(body=body)

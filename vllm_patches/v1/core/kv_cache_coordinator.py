@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+"""F1 overlay of vllm/v1/core/kv_cache_coordinator.py: two-phase allocation."""
+
+from collections.abc import Sequence
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from vllm_patches._overlay import amend
+
+
+@amend("F1", ">=0.18.0,<0.24.0")
+class KVCacheCoordinator:
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """
+        Add the new computed blocks to the request, then allocate new blocks for
+        external computed tokens (if any), in two phases over all groups.
+
+        Invariant: no group pops the free queue while another group still has
+        untouched prefix-cache hits. Phase 1 touches and adds every group's
+        local hits; only then does phase 2 allocate blocks for external tokens.
+        Interleaving the phases per group lets one group's get_new_blocks()
+        evict a block that a later group is about to claim as a hit, so one
+        physical block would end up in two groups with a broken ref_cnt.
+
+        Args:
+            request_id: The request ID.
+            new_computed_blocks: The new computed blocks just hitting the
+                prefix cache.
+            num_local_computed_tokens: The number of local computed tokens.
+            num_external_computed_tokens: The number of external computed tokens.
+        """
+        if any(
+            request_id in manager.num_cached_block
+            for manager in self.single_type_managers
+        ):
+            # Fast-path: a running request won't have any new prefix-cache hits.
+            # It should not have any new computed blocks.
+            assert all(len(blocks) == 0 for blocks in new_computed_blocks)
+            return
+
+        for manager, blocks in zip(self.single_type_managers, new_computed_blocks):
+            manager.add_local_computed_blocks(
+                request_id,
+                blocks,
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+            )
+        for manager in self.single_type_managers:
+            manager.allocate_external_computed_blocks(
+                request_id,
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+            )
