@@ -22,7 +22,10 @@ EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def _release_arg(text: str) -> Version:
-    return _releases.parse_release(text)
+    try:
+        return _releases.parse_release(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_list(args: argparse.Namespace) -> int:

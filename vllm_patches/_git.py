@@ -6,10 +6,10 @@ import os
 import subprocess
 from pathlib import Path
 
-from vllm_patches._errors import UserError
+from vllm_patches._errors import Refused
 
 
-class GitError(UserError):
+class GitError(Refused):
     """A git command failed; carries git's own message."""
 
 

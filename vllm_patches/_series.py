@@ -41,6 +41,8 @@ class Fix:
     overlays: tuple[str, ...]
     tests: tuple[str, ...]
     stock_fails: tuple[str, ...]
+    upstream_tests: tuple[str, ...]
+    deselect: dict[str, str]
 
     @classmethod
     def load(cls, path: Path) -> Fix:
@@ -60,6 +62,8 @@ class Fix:
             overlays=tuple(data["overlays"]),
             tests=tuple(data["tests"]),
             stock_fails=tuple(data["stock_fails"]),
+            upstream_tests=tuple(data.get("upstream_tests", ())),
+            deselect=dict(data.get("deselect", {})),
         )
 
     @property

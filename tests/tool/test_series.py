@@ -1,0 +1,104 @@
+"""The series metadata is data; these checks keep it true to the overlays and patches."""
+
+import re
+from pathlib import Path
+
+import libcst as cst
+import pytest
+from packaging.version import Version
+
+from vllm_patches import _patches, _series
+from vllm_patches._splice import Overlay
+
+SERIES = _series.load()
+FIXES = SERIES.fixes
+REPO = _series.REPO_DIR
+GITHUB = re.compile(r"^https://github\.com/[\w.-]+/[\w.-]+/(issues|pull)/\d+$")
+
+
+def overlay_files() -> list[Path]:
+    return sorted(p for p in _series.PACKAGE_DIR.rglob("*.py")
+                  if not p.name.startswith("_") and p.parent != _series.PACKAGE_DIR)
+
+
+def test_series_order_names_every_fix_file_once():
+    on_disk = {p.stem for p in (_series.PACKAGE_DIR / "fixes").glob("*.toml")}
+    assert [f.id for f in FIXES] == list(dict.fromkeys(f.id for f in FIXES))
+    assert {f.id for f in FIXES} == on_disk
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
+def test_fix_metadata_is_complete(fix):
+    assert re.fullmatch(r"F\d+", fix.id)
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", fix.slug)
+    assert re.match(r"^\[[\w\]\[]+\] \S", fix.title), "vLLM PR style: [Tag] Subject"
+    for field in (fix.what, fix.why, fix.how, fix.future):
+        assert len(field.split()) >= 5
+    assert GITHUB.match(fix.bug)
+    assert fix.pr == "" or GITHUB.match(fix.pr)
+    assert fix.overlays and fix.tests
+    if fix.upstream_since is not None:
+        assert fix.pr, "a fix that landed upstream names its PR"
+        assert fix.upstream_since not in fix.releases, "needed only before it landed"
+        assert any(Version(f"0.{m}.0") in fix.releases for m in range(0, 100))
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
+def test_fix_tests_exist_and_stock_fails_name_them(fix):
+    for test in (*fix.tests, *fix.stock_fails):
+        path = test.split("::")[0]
+        assert (REPO / path).is_file(), test
+        assert path.startswith("tests/v1/") and Path(path).name.startswith("test_")
+    assert fix.stock_fails, "a fix without a test that fails on stock proves nothing"
+    for node in fix.stock_fails:
+        assert node.split("::")[0] in fix.tests
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
+def test_every_listed_overlay_holds_definitions_of_the_fix(fix):
+    for overlay in fix.overlays:
+        parsed = Overlay.parse(_series.PACKAGE_DIR / overlay)
+        assert fix.id in parsed.fixes(), f"{overlay} has no definition of {fix.id}"
+
+
+@pytest.mark.parametrize("path", overlay_files(), ids=lambda p: str(p.relative_to(_series.PACKAGE_DIR)))
+def test_every_overlay_belongs_to_listed_fixes(path):
+    parsed = Overlay.parse(path)
+    relative = str(path.relative_to(_series.PACKAGE_DIR))
+    if not parsed.definitions:
+        assert path.name == "__init__.py"
+        return
+    for fix_id in parsed.fixes():
+        assert relative in SERIES.fix(fix_id).overlays, f"{fix_id} does not list {relative}"
+
+
+class _ZeroArgSuper(cst.CSTVisitor):
+    def __init__(self):
+        self.found = False
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if isinstance(node.func, cst.Name) and node.func.value == "super" and not node.args:
+            self.found = True
+
+
+@pytest.mark.parametrize("path", overlay_files(), ids=lambda p: str(p.relative_to(_series.PACKAGE_DIR)))
+def test_overlays_can_be_installed_onto_live_classes(path):
+    """Zero-argument super() needs the __class__ cell of the class it is defined in,
+    which an overlay method installed onto the upstream class does not have."""
+    visitor = _ZeroArgSuper()
+    cst.parse_module(path.read_text()).visit(visitor)
+    assert not visitor.found, f"{path}: use super(UpstreamClass, self) instead"
+
+
+@pytest.mark.parametrize("release", SERIES.releases, ids=str)
+def test_each_lane_has_one_patch_per_needed_fix(release):
+    listed = _patches.series_patches(release)
+    needed = SERIES.applicable(release)
+    assert [p.name for p in listed] == [
+        f"{n:04d}-{fix.name}.patch" for n, fix in enumerate(needed, start=1)]
+    for path in listed:
+        assert path.is_file()
+    text = (_patches.release_dir(release) / _patches.SERIES_FILE).read_text()
+    for fix in SERIES.fixes:
+        if fix not in needed:
+            assert f"# {fix.name}: {fix.verdict(release)}" in text

@@ -1,0 +1,158 @@
+"""The splice engine on small synthetic modules: what it replaces, adds and keeps."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from vllm_patches._splice import Overlay, SpliceError, splice
+
+UPSTREAM = textwrap.dedent('''\
+    # header comment
+    import os
+    from typing import Any
+
+    LIMIT = 3
+
+
+    class Worker:
+        """Upstream docstring."""
+
+        def __init__(self):
+            self.x = 1
+
+        def step(self):
+            # upstream comment
+            return self.x
+
+        def untouched(self):
+            return  os.sep  # odd spacing kept
+
+
+    def helper(a):
+        return a
+''')
+
+
+def write_overlay(tmp_path: Path, body: str) -> Overlay:
+    path = tmp_path / "overlay.py"
+    path.write_text("from vllm_patches._overlay import add, amend, call_at_end_of\n"
+                    + textwrap.dedent(body))
+    return Overlay.parse(path)
+
+
+def spliced(overlay: Overlay, fixes=("F1",), release="0.21.0") -> str:
+    definitions = overlay.select(list(fixes), Version(release))
+    return splice(UPSTREAM, definitions, overlay.imports, overlay.path)
+
+
+def test_replaces_a_method_and_keeps_everything_else_byte_identical(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            """Overlay docstring: not spliced."""
+
+            def step(self):
+                return self.x + 1
+        ''')
+    result = spliced(overlay)
+    assert result == UPSTREAM.replace(
+        "        # upstream comment\n        return self.x\n",
+        "        return self.x + 1\n")
+
+
+def test_new_methods_go_before_the_next_replaced_one_or_at_the_end(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            def first_phase(self):
+                pass
+
+            def step(self):
+                return 2
+
+            def second_phase(self):
+                pass
+        ''')
+    result = spliced(overlay)
+    order = [line.strip() for line in result.splitlines() if line.strip().startswith("def ")]
+    assert order == ["def __init__(self):", "def first_phase(self):", "def step(self):",
+                     "def second_phase(self):", "def untouched(self):", "def helper(a):"]
+
+
+def test_imports_are_added_only_when_used_and_missing(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        import os
+        from collections import OrderedDict, deque
+        from typing import Any
+
+        @amend("F1", ">=0.18")
+        def helper(a):
+            return OrderedDict(a=os.sep)
+        ''')
+    result = spliced(overlay)
+    assert "from collections import OrderedDict\n" in result
+    assert "deque" not in result
+    assert result.count("import os") == 1 and result.count("from typing import Any") == 1
+    # The new import sits right after upstream's last top-level import.
+    assert result.index("from collections import OrderedDict") > result.index("from typing import Any")
+    assert "vllm_patches" not in result
+
+
+def test_call_at_end_of_init_and_add(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @call_at_end_of("__init__")
+            def _init_extra_state(self):
+                self.extra = {}
+
+        @add("F1", ">=0.18")
+        class ExtraState:
+            pass
+        ''')
+    result = spliced(overlay)
+    assert "        self.x = 1\n        self._init_extra_state()\n" in result
+    assert "call_at_end_of" not in result and "@amend" not in result
+    assert result.endswith("\n\n\nclass ExtraState:\n    pass\n")
+
+
+def test_variants_are_chosen_by_release(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", "<0.20")
+        def helper(a):
+            return "old"
+
+        @amend("F1", ">=0.20")
+        def helper(a):
+            return "new"
+        ''')
+    assert 'return "old"' in spliced(overlay, release="0.19.0")
+    assert 'return "new"' in spliced(overlay, release="0.21.0")
+
+
+def test_later_fix_in_series_order_wins(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F3", ">=0.18")
+        def helper(a):
+            return "f2 and f3"
+
+        @amend("F2", ">=0.18")
+        def helper(a):
+            return "f2"
+        ''')
+    assert 'return "f2"\n' in spliced(overlay, fixes=("F2",))
+    assert 'return "f2 and f3"' in spliced(overlay, fixes=("F2", "F3"))
+
+
+@pytest.mark.parametrize("body, message", [
+    ('@amend("F1", ">=0.18")\nclass Missing:\n    pass\n', "upstream has no such definition"),
+    ('@add("F1", ">=0.18")\ndef helper(a):\n    pass\n', "already defines it"),
+    ('@amend("F1", ">=0.18")\n@amend("F1", ">=0.18")\ndef helper(a):\n    pass\n', "exactly one"),
+    ('@amend("F1", ">=0.18")\ndef helper(a):\n    pass\n@amend("F1", ">=0.21")\ndef helper(a):\n    pass\n',
+     "two variants"),
+])
+def test_mistakes_are_loud(tmp_path, body, message):
+    with pytest.raises(SpliceError, match=message):
+        spliced(write_overlay(tmp_path, body))

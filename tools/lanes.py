@@ -1,0 +1,216 @@
+"""Run the vLLM-style tests of the series against real vLLM release trees, on CPU.
+
+For each lane (a release with generated patches):
+  1. fetch the release (cached git checkout) and a venv with its Python requirements
+     and the CPU torch build;
+  2. make two fresh clones: ``stock``, and ``patched`` with the series applied by
+     ``vllm-patches apply`` (the command users run);
+  3. copy the fix tests into both, at their upstream paths;
+  4. stock: every test a fix lists in ``stock_fails`` must fail, the others pass;
+  5. patched: the fix tests and upstream's own suites for the changed code pass.
+
+Usage: python tools/lanes.py [--release vX.Y.Z ...] [--skip-upstream]
+Exit code 0 only if every lane met every expectation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import Version
+
+from vllm_patches import _git, _releases, _series
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD = REPO / "build"
+TORCH = "torch==2.13.0"  # the CPU build this machine's pip takes from local disk
+# Test-only packages vLLM's test trees import, beyond the release's requirements.
+TEST_PACKAGES = ["pytest", "pytest-reportlog", "hypothesis", "tblib", "pytest-asyncio", "httpx"]
+# xgrammar pulls triton (1 GB) that no CPU test needs: installed without deps.
+NO_DEPS = {"xgrammar"}
+NO_DEPS_EXTRA = ["apache-tvm-ffi"]
+
+
+def log(message: str) -> None:
+    print(f"[lanes {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def lane_requirements(tree: Path) -> tuple[list[str], list[str]]:
+    """(requirements, no-deps requirements) from the release's requirements/common.txt."""
+    regular, no_deps = [], []
+    for line in (tree / "requirements" / "common.txt").read_text().splitlines():
+        text = line.split(" #")[0].strip()
+        if not text or text.startswith(("#", "-")):
+            continue
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if requirement.marker and not requirement.marker.evaluate():
+            continue
+        requirement.marker = None
+        (no_deps if requirement.name in NO_DEPS else regular).append(str(requirement))
+    return regular, no_deps
+
+
+def ensure_venv(release: Version, tree: Path) -> Path:
+    """A venv for ``release``'s tests; rebuilt when its requirements change."""
+    regular, no_deps = lane_requirements(tree)
+    wanted = "\n".join([TORCH, *regular, *no_deps, *NO_DEPS_EXTRA, *TEST_PACKAGES])
+    stamp = hashlib.sha256(wanted.encode()).hexdigest()
+    venv = BUILD / "venvs" / f"v{release}"
+    python = venv / "bin" / "python"
+    stamp_file = venv / ".requirements-sha256"
+    if stamp_file.is_file() and stamp_file.read_text() == stamp:
+        return python
+    log(f"v{release}: creating {venv}")
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    for args in ([TORCH], [TORCH, *regular, *NO_DEPS_EXTRA, *TEST_PACKAGES], ["--no-deps", *no_deps]):
+        proc = subprocess.run([*pip, *args], capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stdout.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise SystemExit(f"v{release}: pip install failed")
+    stamp_file.write_text(stamp)
+    return python
+
+
+def fresh_clone(source: Path, target: Path) -> Path:
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _git.run(source, "clone", "--quiet", str(source), str(target))
+    return target
+
+
+def platform_dist_info(release: Version, root: Path) -> Path:
+    """vLLM's platform detection reads the installed version; ``+cpu`` selects CPU."""
+    dist_info = root / f"vllm-{release}+cpu.dist-info"
+    dist_info.mkdir(parents=True, exist_ok=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {release}+cpu\n")
+    return root
+
+
+def run_pytest(python: Path, tree: Path, dist_root: Path, tests: list[str],
+               deselect: list[str], report: Path) -> int:
+    hf_home = BUILD / "hf_home"
+    if not hf_home.exists():
+        shutil.copytree(REPO / "tools" / "hf_home", hf_home)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tree}{os.pathsep}{dist_root}",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(hf_home),
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    args = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            f"--report-log={report}", *tests, *(f"--deselect={d}" for d in deselect)]
+    proc = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
+    summary = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
+    log(f"  pytest {' '.join(Path(t).name for t in tests)}: {summary[0]}")
+    if proc.returncode not in (0, 1):
+        sys.stdout.write(proc.stdout[-6000:] + proc.stderr[-3000:])
+    return proc.returncode
+
+
+def outcomes(report_log: Path) -> dict[str, str]:
+    """pytest node id -> passed / failed / skipped, from a pytest-reportlog file."""
+    result: dict[str, str] = {}
+    for line in report_log.read_text().splitlines():
+        entry = json.loads(line)
+        if entry.get("$report_type") != "TestReport":
+            continue
+        node, outcome = entry["nodeid"], entry["outcome"]
+        if outcome == "failed" or entry["when"] == "call" or node not in result:
+            if result.get(node) != "failed":
+                result[node] = outcome
+    return result
+
+
+def run_lane(release: Version, skip_upstream: bool) -> list[str]:
+    """Run one lane; returns the list of broken expectations (empty = green)."""
+    series = _series.load()
+    fixes = series.applicable(release)
+    source = _releases.fetch(release)
+    python = ensure_venv(release, source)
+    lane_dir = BUILD / "lanes" / f"v{release}"
+    dist_root = platform_dist_info(release, lane_dir / "dist")
+    problems: list[str] = []
+    if not fixes:
+        log(f"v{release}: no fix applies ({'; '.join(f'{f.id} {f.verdict(release)}' for f in series.fixes)})")
+    fix_tests = [t for fix in fixes for t in fix.tests]
+
+    stock = fresh_clone(source, lane_dir / "stock" / "tree")
+    patched = fresh_clone(source, lane_dir / "patched" / "tree")
+    applied = subprocess.run([sys.executable, "-m", "vllm_patches", "apply", str(patched)],
+                             cwd=REPO, capture_output=True, text=True)
+    log(f"v{release}: vllm-patches apply -> exit {applied.returncode}")
+    if applied.returncode != 0:
+        return [f"v{release}: apply failed: {applied.stderr.strip()}"]
+    for tree in (stock, patched):
+        for test in fix_tests:
+            (tree / test).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / test, tree / test)
+
+    if fix_tests:
+        report = lane_dir / "stock" / "report.jsonl"
+        run_pytest(python, stock, dist_root, fix_tests, [], report)
+        results = outcomes(report)
+        for fix in fixes:
+            expected_fail = set(fix.stock_fails)
+            for node in expected_fail - results.keys():
+                problems.append(f"v{release} stock: {node} did not run")
+            for node, outcome in results.items():
+                if not any(node.startswith(t) for t in fix.tests):
+                    continue
+                if node in expected_fail and outcome != "failed":
+                    problems.append(f"v{release} stock: {node} {outcome}, but it must fail (bug not reproduced)")
+                if node not in expected_fail and outcome == "failed":
+                    problems.append(f"v{release} stock: {node} failed, but it checks kept behaviour")
+
+    upstream = [] if skip_upstream else [
+        t for fix in fixes for t in fix.upstream_tests if (patched / t.split("::")[0]).exists()]
+    deselect = [node for fix in fixes for node in fix.deselect]
+    tests = list(dict.fromkeys(fix_tests + upstream))
+    if tests:
+        report = lane_dir / "patched" / "report.jsonl"
+        code = run_pytest(python, patched, dist_root, tests, deselect, report)
+        failed = [n for n, o in outcomes(report).items() if o == "failed"]
+        if code != 0:
+            problems.append(f"v{release} patched: pytest exit {code}; failed: {', '.join(failed) or '-'}")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--release", action="append", type=_releases.parse_release)
+    parser.add_argument("--skip-upstream", action="store_true",
+                        help="only the fix tests, not upstream's suites")
+    args = parser.parse_args()
+    releases = args.release or list(_series.load().releases)
+    problems = []
+    for release in releases:
+        started = time.monotonic()
+        lane_problems = run_lane(release, args.skip_upstream)
+        status = "ok" if not lane_problems else f"{len(lane_problems)} problem(s)"
+        log(f"v{release}: {status} ({time.monotonic() - started:.0f} s)")
+        problems += lane_problems
+    for problem in problems:
+        print(f"LANE PROBLEM: {problem}")
+    print(f"lanes: {len(releases) - len({p.split()[0] for p in problems})} passed, "
+          f"{len({p.split()[0] for p in problems})} failed")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
