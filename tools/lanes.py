@@ -100,12 +100,12 @@ def platform_dist_info(release: Version, root: Path) -> Path:
     return root
 
 
-def run_pytest(python: Path, tree: Path, dist_root: Path, tests: list[str],
-               deselect: list[str], report: Path) -> int:
+def vllm_test_env(tree: Path, dist_root: Path) -> dict[str, str]:
+    """The environment that runs a vLLM source tree's Python on CPU, offline."""
     hf_home = BUILD / "hf_home"
     if not hf_home.exists():
         shutil.copytree(REPO / "tools" / "hf_home", hf_home)
-    env = {
+    return {
         **os.environ,
         "PYTHONPATH": f"{tree}{os.pathsep}{dist_root}",
         "VLLM_TARGET_DEVICE": "cpu",
@@ -113,6 +113,11 @@ def run_pytest(python: Path, tree: Path, dist_root: Path, tests: list[str],
         "HF_HOME": str(hf_home),
         "TRANSFORMERS_OFFLINE": "1",
     }
+
+
+def run_pytest(python: Path, tree: Path, dist_root: Path, tests: list[str],
+               deselect: list[str], report: Path) -> int:
+    env = vllm_test_env(tree, dist_root)
     args = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
             f"--report-log={report}", *tests, *(f"--deselect={d}" for d in deselect)]
     proc = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)

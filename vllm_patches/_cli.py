@@ -147,7 +147,10 @@ def cmd_regen(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    print(_releases.fetch(args.release_positional))
+    if args.source:
+        print(_releases.fetch_from_checkout(args.release_positional, Path(args.source)))
+    else:
+        print(_releases.fetch(args.release_positional))
     return EXIT_OK
 
 
@@ -201,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub = verb("fetch", cmd_fetch, "fetch a release's source archive into a cached git checkout")
     sub.add_argument("release_positional", type=_release_arg, metavar="RELEASE")
+    sub.add_argument("--from", dest="source", metavar="CHECKOUT",
+                     help="take the release from this vLLM git checkout (its tag vX.Y.Z) "
+                          "instead of the index's source archive")
     return parser
 
 

@@ -108,6 +108,29 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def fetch_from_checkout(version: Version, repo: Path) -> Path:
+    """Cache release ``version`` from an existing vLLM git checkout that has its tag.
+
+    For machines that have a clone of upstream vLLM but cannot reach the index.
+    Replaces a cached checkout of that release, however it was made.
+    """
+    tag = release_tag(version)
+    if not _git.is_repo(repo):
+        raise UserError(f"{repo}: not a git repository")
+    if not _git.has_ref(repo, f"refs/tags/{tag}"):
+        raise UserError(f"{repo}: has no tag {tag}")
+    dest = checkout_path(version)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _git.run(repo, "clone", "--quiet", "--no-checkout", str(repo.resolve()), str(dest))
+    _git.run(dest, "checkout", "--quiet", "-B", "main", f"refs/tags/{tag}")
+    if not (dest / "vllm" / "v1").is_dir():
+        shutil.rmtree(dest)
+        raise UserError(f"{repo}: {tag} is not a vLLM source tree")
+    return dest
+
+
 def fetch(version: Version) -> Path:
     """Return a git checkout of release ``version``, creating it from the sdist if needed.
 

@@ -186,3 +186,14 @@ def test_patches_are_fresh(capsys):
     """patches/ equals what the overlays generate today (CI's freshness proof)."""
     code, out, err = run(capsys, "regen", "--check")
     assert code == EXIT_OK, err
+
+
+def test_fetch_from_an_existing_checkout(tmp_path, checkout, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_PATCHES_CACHE", str(tmp_path / "cache"))
+    code, out, _ = run(capsys, "fetch", "v0.21.0", "--from", str(checkout))
+    assert code == EXIT_OK
+    cached = Path(out.strip())
+    assert cached.is_relative_to(tmp_path / "cache")
+    assert git(cached, "rev-parse", "HEAD") == git(checkout, "rev-parse", "v0.21.0")
+    code, _, err = run(capsys, "fetch", "v0.22.0", "--from", str(checkout))
+    assert code == EXIT_BAD_INPUT and "has no tag v0.22.0" in err
