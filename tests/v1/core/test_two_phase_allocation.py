@@ -134,8 +134,9 @@ def compute(
     num_new_tokens: int,
     num_external_tokens: int = 0,
 ) -> None:
-    """Schedule ``request`` as the scheduler does: local hits, then slots."""
-    hit_blocks, num_local = manager.get_computed_blocks(request)
+    """Schedule ``request`` as the scheduler does: local hits, then slots.
+    (get_computed_blocks returns a third value from v0.24 on; unused here.)"""
+    hit_blocks, num_local = manager.get_computed_blocks(request)[:2]
     num_new = num_new_tokens - num_external_tokens - num_local
     assert num_new > 0
     allocated = manager.allocate_slots(
@@ -228,7 +229,7 @@ def test_single_type_manager_keeps_allocate_new_computed_blocks():
     stage_cached_prompt(manager, prefix)
     single = manager.coordinator.single_type_managers[0]
     request = make_request("req", prefix + tokens(2, 3 * BLOCK_SIZE))
-    hit_blocks, num_local = manager.get_computed_blocks(request)
+    hit_blocks, num_local = manager.get_computed_blocks(request)[:2]
     single.allocate_new_computed_blocks("req", hit_blocks.blocks[0], num_local, 32)
     block_ids = manager.get_blocks("req").get_block_ids()[0]
     assert len(block_ids) == (num_local + 32) // BLOCK_SIZE
@@ -237,8 +238,8 @@ def test_single_type_manager_keeps_allocate_new_computed_blocks():
 
 class HybridAllocationMachine(RuleBasedStateMachine):
     """Random hybrid configs (1-3 groups), prefix hits from shared prefixes,
-    external tokens, frees and preemptions; block ownership is checked after
-    every step."""
+    external tokens, other running traffic, frees and preemptions; block
+    ownership is checked after every step."""
 
     def __init__(self):
         super().__init__()
@@ -275,7 +276,7 @@ class HybridAllocationMachine(RuleBasedStateMachine):
         self._schedule(request, external_blocks)
 
     def _schedule(self, request: Request, external_blocks: int) -> None:
-        hit_blocks, num_local = self.manager.get_computed_blocks(request)
+        hit_blocks, num_local = self.manager.get_computed_blocks(request)[:2]
         num_external = min(
             external_blocks * BLOCK_SIZE, request.num_tokens - num_local - 1
         )
@@ -289,6 +290,27 @@ class HybridAllocationMachine(RuleBasedStateMachine):
         if allocated is None:
             return  # not enough free blocks: the scheduler would wait
         self.requests[request.request_id] = request
+
+    @precondition(lambda self: self.manager is not None)
+    @rule()
+    def busy_traffic(self):
+        """Other running requests take the never-cached blocks at the head of the
+        free queue, leaving evictable cached blocks at its head, as on a busy
+        server."""
+        queue = self.manager.block_pool.free_block_queue
+        num_fresh = 0
+        block = queue.fake_free_list_head.next_free_block
+        while block is not queue.fake_free_list_tail and block.block_hash is None:
+            num_fresh += 1
+            block = block.next_free_block
+        num_groups = len(self.manager.kv_cache_config.kv_cache_groups)
+        num_tokens = num_fresh // num_groups * BLOCK_SIZE
+        if num_tokens == 0:
+            return
+        self.next_id += 1
+        request = make_request(f"busy{self.next_id}", tokens(1000 + self.next_id, num_tokens))
+        if self.manager.allocate_slots(request, num_tokens) is not None:
+            self.requests[request.request_id] = request
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())

@@ -35,25 +35,25 @@ class KVCacheCoordinator:
             num_local_computed_tokens: The number of local computed tokens.
             num_external_computed_tokens: The number of external computed tokens.
         """
-        if any(
-            request_id in manager.num_cached_block
-            for manager in self.single_type_managers
-        ):
-            # Fast-path: a running request won't have any new prefix-cache hits.
-            # It should not have any new computed blocks.
-            assert all(len(blocks) == 0 for blocks in new_computed_blocks)
-            return
+        managers = self.single_type_managers
+        for manager in managers:
+            if request_id in manager.num_cached_block:
+                # Fast-path: a running request won't have any new prefix-cache
+                # hits. It should not have any new computed blocks.
+                assert all(len(blocks) == 0 for blocks in new_computed_blocks)
+                return
 
-        for manager, blocks in zip(self.single_type_managers, new_computed_blocks):
+        for manager, blocks in zip(managers, new_computed_blocks):
             manager.add_local_computed_blocks(
                 request_id,
                 blocks,
                 num_local_computed_tokens,
                 num_external_computed_tokens,
             )
-        for manager in self.single_type_managers:
-            manager.allocate_external_computed_blocks(
-                request_id,
-                num_local_computed_tokens,
-                num_external_computed_tokens,
-            )
+        if num_external_computed_tokens > 0:
+            for manager in managers:
+                manager.allocate_external_computed_blocks(
+                    request_id,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                )

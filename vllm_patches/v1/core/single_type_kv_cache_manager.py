@@ -87,9 +87,12 @@ class SingleTypeKVCacheManager:
         num_total_computed_tokens = (
             num_local_computed_tokens + num_external_computed_tokens
         )
-        num_skipped_tokens = self.get_num_skipped_tokens(num_total_computed_tokens)
-        if num_skipped_tokens // self.block_size > 0:
+        req_blocks = self.req_to_blocks[request_id]
+        # Phase 1 padded the skipped blocks with leading null blocks, so only
+        # then can skipping have cut into the external tokens.
+        if req_blocks and req_blocks[0] is self._null_block:
             # Some external computed tokens may be skipped too.
+            num_skipped_tokens = self.get_num_skipped_tokens(num_total_computed_tokens)
             num_external_computed_tokens = min(
                 num_total_computed_tokens - num_skipped_tokens,
                 num_external_computed_tokens,
