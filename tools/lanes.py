@@ -7,7 +7,16 @@ For each lane (a release with generated patches):
      ``vllm-patches apply`` (the command users run);
   3. copy the fix tests into both, at their upstream paths;
   4. stock: every test a fix lists in ``stock_fails`` must fail, the others pass;
-  5. patched: the fix tests and upstream's own suites for the changed code pass.
+  5. patched: the fix tests and upstream's own suites for the changed code pass;
+  6. for fixes already upstream in the release, their bug reproductions pass on stock;
+  7. runtime mode: this package is installed into the lane venv (as a wheel, the way
+     users install it), and the fix tests run on the *stock* tree once more with
+     ``-p vllm_patches._pytest_plugin``, which calls vLLM's ``load_general_plugins()``:
+     through the real entry point every fix test must pass. The stock run of step 4
+     loads the plugin too, with ``VLLM_PATCHES_DISABLE=1``: disabled, the bug must
+     reproduce. Every other run here sets ``VLLM_PATCHES_DISABLE=1`` (vLLM loads
+     general plugins on its own, e.g. in ``EngineArgs``), so stock stays stock and
+     patched stays git-patched.
 
 Usage: python tools/lanes.py [--release vX.Y.Z ...] [--skip-upstream]
 Exit code 0 only if every lane met every expectation.
@@ -19,25 +28,33 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_patches import _git, _releases, _series
 
 REPO = Path(__file__).resolve().parent.parent
-BUILD = REPO / "build"
+# Venvs, trees and reports; VLLM_PATCHES_BUILD puts them elsewhere (a second checkout or
+# helper can run lanes without touching another run's trees).
+BUILD = Path(os.environ.get("VLLM_PATCHES_BUILD") or REPO / "build").resolve()
 TORCH = "torch==2.13.0"  # the CPU build this machine's pip takes from local disk
 # Test-only packages vLLM's test trees import, beyond the release's requirements.
 TEST_PACKAGES = ["pytest", "pytest-reportlog", "hypothesis", "tblib", "pytest-asyncio", "httpx"]
 # xgrammar pulls triton (1 GB) that no CPU test needs: installed without deps.
 NO_DEPS = {"xgrammar"}
 NO_DEPS_EXTRA = ["apache-tvm-ffi"]
+# Version floors dropped: package -> why. v0.33.0 asks certifi>=2026.10.19, a
+# security floor newer than any certifi the package index here serves.
+RELAXED = {"certifi": "security floor newer than the index serves; CA bundle unused offline"}
 
 
 def log(message: str) -> None:
@@ -58,6 +75,8 @@ def lane_requirements(tree: Path) -> tuple[list[str], list[str]]:
         if requirement.marker and not requirement.marker.evaluate():
             continue
         requirement.marker = None
+        if requirement.name in RELAXED:
+            requirement.specifier = SpecifierSet()
         (no_deps if requirement.name in NO_DEPS else regular).append(str(requirement))
     return regular, no_deps
 
@@ -112,17 +131,63 @@ def vllm_test_env(tree: Path, dist_root: Path) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "HF_HOME": str(hf_home),
         "TRANSFORMERS_OFFLINE": "1",
+        # The package sits in the lane venv for runtime mode; elsewhere its plugin is off.
+        "VLLM_PATCHES_DISABLE": "1",
     }
 
 
+def package_stamp() -> str:
+    """A hash of everything the installed package is built from."""
+    digest = hashlib.sha256()
+    files = [REPO / "pyproject.toml", *sorted(
+        path for folder in ("vllm_patches", "patches") for path in (REPO / folder).rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts)]
+    for path in files:
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def ensure_package(python: Path) -> str | None:
+    """Install this package into a lane venv, as a wheel (so its entry point is
+    registered, as for a user); reinstalled when its sources change. None, or why not."""
+    stamp = package_stamp()
+    stamp_file = python.parent.parent / ".vllm-patches-sha256"
+    if stamp_file.is_file() and stamp_file.read_text() == stamp:
+        return None
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    for args in (dependencies, ["--no-deps", "--force-reinstall", str(REPO)]):
+        proc = subprocess.run([*pip, *args], capture_output=True, text=True)
+        if proc.returncode != 0:
+            return f"pip install {' '.join(args)} failed: {(proc.stderr or proc.stdout)[-2000:]}"
+    stamp_file.write_text(stamp)
+    log(f"installed vllm-patches into {python.parent.parent}")
+    return None
+
+
+RUNTIME_PLUGIN = "vllm_patches._pytest_plugin"
+ACTIVATION_LINE = re.compile(r"^vllm-patches(:| on vLLM) .*$", re.MULTILINE)
+
+
 def run_pytest(python: Path, tree: Path, dist_root: Path, tests: list[str],
-               deselect: list[str], report: Path) -> int:
+               deselect: list[str], report: Path, runtime: str | None = None) -> int:
+    """Run ``tests`` in ``tree``; ``runtime`` "on"/"off": load vLLM's general plugins at
+    session start (runtime mode) with the vllm_patches plugin enabled or disabled."""
     env = vllm_test_env(tree, dist_root)
-    args = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+    plugin = []
+    if runtime is not None:
+        plugin = ["-p", RUNTIME_PLUGIN]
+        env["VLLM_PATCHES_DISABLE"] = "0" if runtime == "on" else "1"
+    args = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *plugin,
             f"--report-log={report}", *tests, *(f"--deselect={d}" for d in deselect)]
     proc = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
     summary = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
-    log(f"  pytest {' '.join(Path(t).name for t in tests)}: {summary[0]}")
+    mode = f" [runtime {runtime}]" if runtime else ""
+    log(f"  pytest{mode} {' '.join(Path(t).name for t in tests)}: {summary[0]}")
+    activation = ACTIVATION_LINE.search(proc.stdout)
+    if activation:
+        log(f"    {activation.group(0)}")
+        report.with_suffix(".activation").write_text(activation.group(0))
     if proc.returncode not in (0, 1):
         sys.stdout.write(proc.stdout[-6000:] + proc.stderr[-3000:])
     return proc.returncode
@@ -154,7 +219,13 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
     if not fixes:
         log(f"v{release}: no fix applies ({'; '.join(f'{f.id} {f.verdict(release)}' for f in series.fixes)})")
     fix_tests = [t for fix in fixes for t in fix.tests]
+    # Where a fix is upstream, its bug reproductions must pass on stock: proof of "upstream".
+    landed = [fix for fix in series.fixes if fix.is_upstream(release)]
+    landed_nodes = [node for fix in landed for node in fix.stock_fails]
 
+    installed = ensure_package(python)
+    if installed:
+        return [f"v{release}: {installed}"]
     stock = fresh_clone(source, lane_dir / "stock" / "tree")
     patched = fresh_clone(source, lane_dir / "patched" / "tree")
     applied = subprocess.run([sys.executable, "-m", "vllm_patches", "apply", str(patched)],
@@ -162,14 +233,24 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
     log(f"v{release}: vllm-patches apply -> exit {applied.returncode}")
     if applied.returncode != 0:
         return [f"v{release}: apply failed: {applied.stderr.strip()}"]
-    for tree in (stock, patched):
-        for test in fix_tests:
+    for tree, tests in ((stock, fix_tests + [t for f in landed for t in f.tests]),
+                        (patched, fix_tests)):
+        for test in tests:
             (tree / test).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / test, tree / test)
 
+    if landed_nodes:
+        report = lane_dir / "stock" / "upstream-report.jsonl"
+        run_pytest(python, stock, dist_root, landed_nodes, [], report)
+        results = outcomes(report)
+        for node in landed_nodes:
+            if results.get(node) != "passed":
+                problems.append(f"v{release} stock: {node} {results.get(node, 'did not run')}, "
+                                "but the fix is upstream here")
+
     if fix_tests:
         report = lane_dir / "stock" / "report.jsonl"
-        run_pytest(python, stock, dist_root, fix_tests, [], report)
+        run_pytest(python, stock, dist_root, fix_tests, [], report, runtime="off")
         results = outcomes(report)
         for fix in fixes:
             expected_fail = set(fix.stock_fails)
@@ -183,6 +264,9 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
                 if node not in expected_fail and outcome == "failed":
                     problems.append(f"v{release} stock: {node} failed, but it checks kept behaviour")
 
+    if fix_tests:
+        problems += run_runtime_mode(release, python, stock, dist_root, fixes, lane_dir)
+
     upstream = [] if skip_upstream else [
         t for fix in fixes for t in fix.upstream_tests if (patched / t.split("::")[0]).exists()]
     deselect = [node for fix in fixes for node in fix.deselect]
@@ -193,6 +277,29 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
         failed = [n for n, o in outcomes(report).items() if o == "failed"]
         if code != 0:
             problems.append(f"v{release} patched: pytest exit {code}; failed: {', '.join(failed) or '-'}")
+    return problems
+
+
+def run_runtime_mode(release: Version, python: Path, stock: Path, dist_root: Path,
+                     fixes: list[_series.Fix], lane_dir: Path) -> list[str]:
+    """The fix tests on the stock tree, the fixes activated through vLLM's plugin loader."""
+    report = lane_dir / "runtime" / "report.jsonl"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.with_suffix(".activation").unlink(missing_ok=True)
+    fix_tests = [t for fix in fixes for t in fix.tests]
+    code = run_pytest(python, stock, dist_root, fix_tests, [], report, runtime="on")
+    problems = []
+    failed = [n for n, o in outcomes(report).items() if o == "failed"] if report.exists() else []
+    if code != 0:
+        problems.append(f"v{release} runtime: pytest exit {code}; failed: {', '.join(failed) or '-'}")
+    line = report.with_suffix(".activation")
+    text = line.read_text() if line.exists() else ""
+    active = re.search(r"active: ([^;]*)", text)
+    active_ids = set(active.group(1).split(", ")) if active else set()
+    missing = [fix.id for fix in fixes if fix.id not in active_ids]
+    if missing:
+        problems.append(f"v{release} runtime: {', '.join(missing)} not active "
+                        f"({text or 'no activation line'})")
     return problems
 
 

@@ -2,8 +2,10 @@
 
 Exit codes: 0 done (or nothing to do, or a --check that passed); 1 refused (a
 patch conflicts, the series is half-applied, files the series touches have local
-changes, patches/ is stale); 2 bad input (not a git repository, not a vLLM tree,
-unknown or unsupported release, bad arguments).
+changes, patches/ is stale; `matrix`: a release needs a fix that does not splice
+there; `doctor`: a known-bad combination, or the plugin would stop vLLM from
+starting); 2 bad input (not a git repository, not a vLLM tree, unknown or
+unsupported release, bad arguments).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _git, _patches, _releases, _series
+from vllm_patches import _doctor, _git, _matrix, _patches, _releases, _series
 from vllm_patches._checkout import Checkout, State
 from vllm_patches._errors import Refused, UserError
 
@@ -154,6 +156,32 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_matrix(args: argparse.Namespace) -> int:
+    series = _series.load()
+    if args.write_readme and args.cached_only:
+        raise UserError("--write-readme needs every release of the range; drop --cached-only")
+    available = _releases.cached_releases() if args.cached_only else _releases.sdist_releases()
+    rows = _matrix.compute(series, _matrix.releases_in_range(series, available))
+    sys.stdout.write(_matrix.render(series, rows))
+    if args.write_readme:
+        readme = _series.REPO_DIR / "README.md"
+        if not readme.is_file():
+            raise UserError(f"{readme}: no such file (run from a vllm-patches checkout)")
+        readme.write_text(_matrix.replace_section(readme.read_text(),
+                                                  _matrix.readme_section(series, rows)))
+        print(f"wrote the matrix into {readme}")
+    broken = [r for r in rows if any(c.state in _matrix.PROBLEMS for c in r.cells.values())]
+    return EXIT_REFUSED if broken else EXIT_OK
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size must be 1 or more, not {args.tensor_parallel_size}")
+    lines, bad = _doctor.report(args.tensor_parallel_size, load=not args.no_load)
+    print("\n".join(lines))
+    return EXIT_REFUSED if bad else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-patches", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -207,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--from", dest="source", metavar="CHECKOUT",
                      help="take the release from this vLLM git checkout (its tag vX.Y.Z) "
                           "instead of the index's source archive")
+
+    sub = verb("matrix", cmd_matrix, "per supported release: does each fix apply, is it "
+                                     "upstream, or not needed")
+    sub.add_argument("--write-readme", action="store_true",
+                     help="also write the table into README.md's generated section")
+    sub.add_argument("--cached-only", action="store_true",
+                     help="only the releases already fetched (no network)")
+
+    sub = verb("doctor", cmd_doctor, "this Python's vLLM and kvcached, the fixes active in it, "
+                                     "and known-bad combinations")
+    sub.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
+                     help="the tensor parallelism you serve with (checks kvcached < 0.1.6)")
+    sub.add_argument("--no-load", action="store_true",
+                     help="do not load vLLM's general plugins; show what they would activate")
     return parser
 
 

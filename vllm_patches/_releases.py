@@ -65,18 +65,57 @@ def checkout_path(version: Version) -> Path:
     return cache_root() / "src" / release_tag(version)
 
 
-def _index_entry(version: Version) -> dict:
+def _index_files() -> list[dict]:
+    """Every file of vLLM on the package index (name, url, hashes, ...)."""
     request = urllib.request.Request(INDEX_URL, headers={"Accept": INDEX_ACCEPT})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            index = json.load(response)
+            return json.load(response)["files"]
     except OSError as exc:
         raise UserError(f"cannot read the package index at {INDEX_URL}: {exc}") from None
-    filename = f"vllm-{version}.tar.gz"
-    for entry in index["files"]:
+
+
+def _sdist_filename(version: Version) -> str:
+    return f"vllm-{version}.tar.gz"
+
+
+def _index_entry(version: Version) -> dict:
+    filename = _sdist_filename(version)
+    for entry in _index_files():
         if entry["filename"] == filename:
             return entry
     raise UserError(f"vLLM {release_tag(version)} has no source archive on the index ({filename})")
+
+
+def sdist_releases() -> list[Version]:
+    """The final releases that have a source archive on the index, oldest first."""
+    releases = set()
+    for entry in _index_files():
+        name = entry["filename"]
+        if name.startswith("vllm-") and name.endswith(".tar.gz") and not entry.get("yanked"):
+            try:
+                version = Version(name.removeprefix("vllm-").removesuffix(".tar.gz"))
+            except InvalidVersion:
+                continue
+            if name == _sdist_filename(version) and not (version.is_prerelease
+                                                         or version.is_devrelease):
+                releases.add(version)
+    return sorted(releases)
+
+
+def cached_releases() -> list[Version]:
+    """The releases that ``fetch`` has already made into cached checkouts, oldest first."""
+    root = cache_root() / "src"
+    found = []
+    for path in root.glob("v*") if root.is_dir() else ():
+        try:
+            version = parse_release(path.name)
+        except UserError:
+            continue
+        if release_tag(version) == path.name and (path / ".git").is_dir() \
+                and _git.has_ref(path, f"refs/tags/{path.name}"):
+            found.append(version)
+    return sorted(found)
 
 
 def _download_sdist(version: Version) -> Path:

@@ -306,8 +306,20 @@ def splice(upstream_source: str, definitions: list[OverlayDefinition],
 def _add_imports(module: cst.Module, spliced: list[cst.CSTNode],
                  imports: tuple[cst.SimpleStatementLine, ...]) -> cst.Module:
     """Add the overlay imports that ``spliced`` uses and ``module`` does not bind."""
+    added = missing_imports(_module_bindings(module), spliced, imports)
+    if not added:
+        return module
+    body = list(module.body)
+    last_import = max(i for i, s in enumerate(body) if _is_import(s))
+    body[last_import + 1 : last_import + 1] = added
+    return module.with_changes(body=body)
+
+
+def missing_imports(present: set[str], spliced: list[cst.CSTNode],
+                    imports: tuple[cst.SimpleStatementLine, ...]) -> list[cst.SimpleStatementLine]:
+    """The overlay import statements, cut down to the names ``spliced`` uses and ``present``
+    lacks: what the splice adds to an upstream module (and the runtime to a live one)."""
     used = _used_names(spliced)
-    present = _module_bindings(module)
     added: list[cst.SimpleStatementLine] = []
     for statement in imports:
         wanted = [alias for name, alias in _bound_names(statement)
@@ -319,9 +331,4 @@ def _add_imports(module: cst.Module, spliced: list[cst.CSTNode],
         if isinstance(node, cst.ImportFrom):
             node = node.with_changes(lpar=None, rpar=None)
         added.append(statement.with_changes(body=[node], leading_lines=[]))
-    if not added:
-        return module
-    body = list(module.body)
-    last_import = max(i for i, s in enumerate(body) if _is_import(s))
-    body[last_import + 1 : last_import + 1] = added
-    return module.with_changes(body=body)
+    return added

@@ -1,0 +1,136 @@
+"""doctor against fake installed distributions (``*.dist-info`` folders on sys.path)."""
+
+import importlib.metadata
+import importlib.util
+
+import pytest
+
+from vllm_patches import _cli, _doctor, _runtime
+from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
+
+
+@pytest.fixture
+def dists(tmp_path, monkeypatch):
+    """Install fake distributions: ``dists("vllm", "0.21.0")``; nothing of vLLM imports."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_runtime, "_CURRENT", None)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    # Entry points only from the fake distributions (this package may be pip-installed here).
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [
+        entry for dist in importlib.metadata.distributions(path=[str(tmp_path)])
+        for entry in dist.entry_points if entry.group == group])
+    for name in ("VLLM_PATCHES_DISABLE", "VLLM_PATCHES_FIXES", "VLLM_PATCHES_ALLOW_UNSUPPORTED",
+                 "VLLM_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+
+    def install(name: str, version: str, entry_points: str = "") -> None:
+        folder = tmp_path / f"{name}-{version}.dist-info"
+        folder.mkdir()
+        (folder / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        if entry_points:
+            (folder / "entry_points.txt").write_text(entry_points)
+
+    return install
+
+
+def doctor(capsys, *args):
+    code = _cli.main(["doctor", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_without_vllm(dists, capsys):
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_OK
+    assert "vLLM: not installed" in out and "kvcached: not installed" in out
+    assert "fixes on" not in out and out.rstrip().endswith("result: no known problem")
+
+
+def test_old_kvcached_with_tensor_parallelism_is_known_bad(dists, capsys):
+    dists("vllm", "0.21.0")
+    dists("kvcached", "0.1.5")
+    code, out, _ = doctor(capsys, "--tensor-parallel-size", "2")
+    assert code == EXIT_REFUSED
+    assert "vLLM: 0.21.0" in out and "kvcached: 0.1.5" in out
+    bad = [line for line in out.splitlines() if line.startswith("  BAD: ")]
+    assert len(bad) == 1
+    assert "kvcached 0.1.5 with tensor parallelism 2" in bad[0]
+    assert "never becomes ready" in bad[0]
+    assert "fixed in kvcached 0.1.6: pip install 'kvcached>=0.1.6'" in bad[0]
+
+
+@pytest.mark.parametrize("version, tp, level", [
+    ("0.1.6", "2", "ok"), ("0.2.0", "8", "ok"), ("0.1.5", "1", "ok"), ("0.1.5", None, "warning")])
+def test_kvcached_fixed_or_single_gpu_or_unknown_tensor_parallelism(dists, capsys, version, tp,
+                                                                    level):
+    dists("vllm", "0.21.0")
+    dists("kvcached", version)
+    code, out, _ = doctor(capsys, *(["-tp", tp] if tp else []))
+    assert code == EXIT_OK
+    line = next(line for line in out.splitlines() if line.startswith(f"  {level}: kvcached"))
+    if version == "0.1.5":
+        assert "fixed in kvcached 0.1.6" in line
+    if tp is None:
+        assert "Pass --tensor-parallel-size" in line
+
+
+def test_fixes_the_plugin_would_activate(dists, capsys):
+    dists("vllm", "0.21.0+cu128")
+    dists("vllm_patches", "0.1.0", "[vllm.general_plugins]\n"
+                                   "vllm_patches = vllm_patches._runtime:register\n")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_OK
+    assert "vllm_patches plugin: registered" in out
+    assert "fixes on vLLM v0.21.0, would be activated by the plugin (not loaded here):" in out
+    assert "  F1 two-phase-computed-block-allocation: would be active" in out
+
+
+def test_an_unsupported_release_is_a_refusal_when_the_plugin_is_registered(dists, capsys):
+    dists("vllm", "0.17.0")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_OK and "warning: the plugin refuses: vllm-patches: vLLM v0.17.0" in out
+    dists("vllm_patches", "0.1.0", "[vllm.general_plugins]\n"
+                                   "vllm_patches = vllm_patches._runtime:register\n")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED
+    assert "BAD: the plugin refuses: vllm-patches: vLLM v0.17.0 is not a supported release " \
+           "(supported: v0.18.0 .. v" in out
+
+
+def test_environment_selection_and_disable_are_shown(dists, capsys, monkeypatch):
+    dists("vllm", "0.33.0")
+    monkeypatch.setenv("VLLM_PATCHES_FIXES", "F1")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_OK and "environment: VLLM_PATCHES_FIXES=F1" in out
+    assert "F1 two-phase-computed-block-allocation: upstream (since v0.24.0)" in out
+    monkeypatch.setenv("VLLM_PATCHES_DISABLE", "1")
+    code, out, _ = doctor(capsys)
+    assert "warning: VLLM_PATCHES_DISABLE is set: no fix is active" in out
+
+
+def test_what_is_active_in_this_python(dists, capsys, monkeypatch):
+    """In a process where the plugin ran, doctor reports that activation, not a plan."""
+    dists("vllm", "0.21.0")
+    series = _doctor._series.load()
+    states = _runtime.plan(series, _runtime.Version("0.21.0"), ["F1"])
+    monkeypatch.setattr(_runtime, "_CURRENT", _runtime.Activation(_runtime.Version("0.21.0"),
+                                                                  states))
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_OK
+    assert "fixes on vLLM v0.21.0, active in this Python:" in out
+    assert "  F1 two-phase-computed-block-allocation: active" in out
+
+
+def test_bad_tensor_parallel_size(dists, capsys):
+    code, _, err = doctor(capsys, "-tp", "0")
+    assert code == EXIT_BAD_INPUT and "must be 1 or more" in err
+
+
+def test_versions_come_from_installed_metadata(dists):
+    dists("kvcached", "0.1.5")
+    assert importlib.metadata.version("kvcached") == "0.1.5"
+    assert _doctor.installed_version("kvcached") == "0.1.5"
+    assert _doctor.installed_version("surely-not-installed") is None

@@ -1,0 +1,121 @@
+"""The compatibility matrix, and README's generated section kept in sync with it."""
+
+import pytest
+from packaging.version import Version
+
+from vllm_patches import _cli, _matrix, _patches, _releases, _runtime, _series
+from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
+from vllm_patches._errors import UserError
+
+SERIES = _series.load()
+README = _series.REPO_DIR / "README.md"
+SUPPORTED = _runtime.supported_releases(SERIES)
+
+
+def readme() -> str:
+    return README.read_text()
+
+
+def test_readme_section_lists_every_release_of_the_range():
+    rows = _matrix.readme_rows(readme())
+    listed = list(rows)
+    assert listed == sorted(listed), "oldest first"
+    assert all(release in SUPPORTED for release in listed)
+    lanes = sorted(SERIES.releases)
+    assert listed[0] == Version(f"{lanes[0].major}.{lanes[0].minor}.0")
+    assert listed[-1] == lanes[-1]
+    assert set(SERIES.releases) <= set(listed)
+    cached = _matrix.releases_in_range(SERIES, _releases.cached_releases())
+    assert set(cached) <= set(listed), "a fetched release of the range is missing from README"
+    for release, line in rows.items():
+        assert line.endswith(" |") and line.count("|") == len(SERIES.fixes) + 2, line
+        assert ("(lane)" in line) == (release in SERIES.releases)
+
+
+def test_readme_section_matches_the_command_for_cached_releases():
+    """Recompute each row whose release is cached; the others need `vllm-patches fetch`."""
+    text = readme()
+    cached = set(_releases.cached_releases())
+    checked = 0
+    for release, line in _matrix.readme_rows(text).items():
+        if release not in cached:
+            continue
+        row = _matrix.row(SERIES, release, _releases.fetch(release))
+        assert _matrix.render_row(row) == line, "stale: run `vllm-patches matrix --write-readme`"
+        assert _matrix.render_notes(row) == _matrix.readme_notes(text, release)
+        checked += 1
+    if not checked:
+        pytest.skip("no release of the range is cached")
+
+
+def test_readme_legend_matches_the_series():
+    section = _matrix.SECTION.search(readme()).group(1)
+    legend = _matrix.render(SERIES, []).split("\n\n", 1)[1]
+    assert legend in section
+
+
+def test_cells_for_a_lane_and_an_upstream_release(pristine_v0_21_0):
+    row = _matrix.row(SERIES, Version("0.21.0"), pristine_v0_21_0)
+    assert row.lane and row.cells["F1"] == _matrix.Cell(_matrix.PATCH)
+    assert _matrix.render_row(row).startswith("| v0.21.0 (lane) | patch")
+
+
+def test_a_fix_that_does_not_splice_is_a_conflict_and_later_fixes_still_get_a_cell(
+        monkeypatch, pristine_v0_21_0):
+    f1 = SERIES.fix("F1")
+    f2 = _series.Fix(**{**f1.__dict__, "id": "F2", "slug": "second"})
+    f3 = _series.Fix(**{**f1.__dict__, "id": "F3", "slug": "third"})
+    series = _series.Series((f1, f2, f3), SERIES.releases)
+
+    def generate(series_, release, tree):
+        ids = [f.id for f in series_.fixes]
+        if "F2" in ids:
+            raise UserError("v0.21.0 has no vllm/v1/core/gone.py (overlay v1/core/gone.py)")
+        if ids[-1] == "F3" and len(ids) == 3:
+            raise AssertionError("F3 must be tried without the conflicting F2")
+        return []
+
+    monkeypatch.setattr(_patches, "generate", generate)
+    row = _matrix.row(series, Version("0.21.0"), pristine_v0_21_0)
+    assert [c.state for c in row.cells.values()] == ["patch", "conflict", "patch"]
+    assert _matrix.render_notes(row) == [
+        "- v0.21.0 F2 conflict: v0.21.0 has no vllm/v1/core/gone.py (overlay v1/core/gone.py)"]
+
+    monkeypatch.setattr(_patches, "generate", lambda *a: (_ for _ in ()).throw(
+        UserError("F1 changes nothing on v0.21.0: no overlay variant holds it")))
+    row = _matrix.row(series, Version("0.21.0"), pristine_v0_21_0)
+    assert row.cells["F1"].state == _matrix.NO_VARIANT
+
+
+def test_render_and_replace_section():
+    rows = [_matrix.Row(Version("0.18.0"), {"F1": _matrix.Cell(_matrix.PATCH)}, False),
+            _matrix.Row(Version("0.24.0"), {"F1": _matrix.Cell(_matrix.UPSTREAM, "since")}, True)]
+    series = _series.Series((SERIES.fix("F1"),), SERIES.releases)
+    section = _matrix.readme_section(series, rows)
+    text = f"# x\n\nbefore\n\n{_matrix.README_BEGIN}\nold\n{_matrix.README_END}\n\nafter\n"
+    replaced = _matrix.replace_section(text, section)
+    assert replaced.startswith("# x\n\nbefore\n\n") and replaced.endswith("\n\nafter\n")
+    assert "| v0.18.0 | patch |\n| v0.24.0 (lane) | upstream |\n" in replaced
+    assert list(_matrix.readme_rows(replaced)) == [Version("0.18.0"), Version("0.24.0")]
+    with pytest.raises(UserError, match="no <!-- matrix:begin -->"):
+        _matrix.replace_section("no section", section)
+
+
+def test_matrix_command_on_cached_releases(capsys, monkeypatch, pristine_v0_21_0):
+    monkeypatch.setattr(_releases, "cached_releases", lambda: [Version("0.21.0"), Version("0.17.0")])
+    code = _cli.main(["matrix", "--cached-only"])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK
+    assert out.startswith("| vLLM | F1 ")
+    assert "| v0.21.0 (lane) | patch |" in out and "v0.17.0" not in out
+    code = _cli.main(["matrix", "--cached-only", "--write-readme"])
+    assert code == EXIT_BAD_INPUT and "drop --cached-only" in capsys.readouterr().err
+
+
+def test_matrix_command_exits_1_on_a_conflict(capsys, monkeypatch, pristine_v0_21_0):
+    monkeypatch.setattr(_releases, "cached_releases", lambda: [Version("0.21.0")])
+    monkeypatch.setattr(_patches, "generate", lambda *a: (_ for _ in ()).throw(
+        UserError("spliced vllm/x.py is not ruff-formatted")))
+    assert _cli.main(["matrix", "--cached-only"]) == EXIT_REFUSED
+    assert "- v0.21.0 F1 conflict: spliced vllm/x.py is not ruff-formatted" in \
+        capsys.readouterr().out

@@ -1,0 +1,563 @@
+"""Runtime activation on small fake upstream packages built here (no vLLM needed)."""
+
+import dataclasses
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from vllm_patches import _runtime, _series
+from vllm_patches._runtime import ActivationError
+from vllm_patches._series import Fix, Series
+
+PACKAGE = "fakevllm"
+LANES = (Version("0.21.0"), Version("0.18.1"), Version("0.33.0"))
+
+WORKER = '''\
+import os
+
+
+class Base:
+    def hello(self):
+        return "base"
+
+
+class Worker(Base):
+    """Upstream docstring."""
+
+    LIMIT = 3
+
+    def __init__(self):
+        self.x = 1
+
+    def step(self):
+        return self.x
+
+    @classmethod
+    def make(cls):
+        return cls()
+
+
+def helper(a):
+    return a
+'''
+
+USER = '''\
+from fakevllm.core.worker import Worker, helper
+'''
+
+OVERLAY = '''\
+from collections import OrderedDict
+
+from vllm_patches._overlay import add, amend, call_at_end_of
+
+
+@amend("F1", ">=0.18.0,<0.24.0")
+class Worker:
+    """Overlay docstring: not installed."""
+
+    def step(self):
+        return OrderedDict(x=self.x + self.LIMIT)
+
+    @call_at_end_of("__init__")
+    def _init_extra(self):
+        self.extra = os.sep
+        self.inits = getattr(self, "inits", 0) + 1
+
+    def hello(self):
+        return "patched " + super().hello()
+
+    @classmethod
+    def make(cls):
+        made = cls()
+        made.x = 10
+        return made
+
+    @property
+    def doubled(self):
+        return self.x * 2
+
+    @staticmethod
+    def tag():
+        return helper("tag")
+
+
+@amend("F1", ">=0.18.0,<0.20.0")
+def helper(a):
+    return ("old", a)
+
+
+@amend("F1", ">=0.20.0,<0.24.0")
+def helper(a):
+    return ("new", a)
+
+
+@add("F1", ">=0.18.0,<0.24.0")
+def new_helper():
+    return helper(1)
+'''
+
+
+def make_fix(fix_id: str, overlays: list[str], releases: str = ">=0.18.0,<0.24.0",
+             upstream_since: str | None = "0.24.0") -> Fix:
+    return Fix(id=fix_id, slug=f"fake-{fix_id.lower()}", title="[Test] fake", what="w", why="w",
+               how="h", bug="", pr="", releases=SpecifierSet(releases),
+               upstream_since=Version(upstream_since) if upstream_since else None,
+               future="f", overlays=tuple(overlays), tests=(), stock_fails=(), upstream_tests=(),
+               deselect={})
+
+
+class Fake:
+    """A fake upstream package (``fakevllm``) and an overlay root, under tmp_path."""
+
+    def __init__(self, tmp_path: Path):
+        self.upstream = tmp_path / "upstream"
+        self.overlays = tmp_path / "overlays"
+
+    def module(self, dotted: str, source: str) -> None:
+        path = self.upstream / PACKAGE / (dotted.replace(".", "/") + ".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in path.relative_to(self.upstream).parents:
+            if parent.name:
+                (self.upstream / parent / "__init__.py").touch()
+        path.write_text(textwrap.dedent(source))
+
+    def overlay(self, relative: str, source: str) -> None:
+        path = self.overlays / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source))
+
+    def install(self, fixes: list[Fix], release: str = "0.21.0", ids=None):
+        series = Series(tuple(fixes), LANES)
+        ids = [f.id for f in fixes] if ids is None else ids
+        return _runtime.install(series, Version(release), ids, root=self.overlays,
+                                package=PACKAGE)
+
+    def get(self, dotted: str):
+        return importlib.import_module(f"{PACKAGE}.{dotted}")
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path / "upstream"))
+    yield Fake(tmp_path)
+    for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
+        del sys.modules[name]
+    _runtime._source_tree.cache_clear()
+
+
+@pytest.fixture
+def worker(fake):
+    fake.module("core.worker", WORKER)
+    fake.module("user", USER)
+    fake.overlay("core/worker.py", OVERLAY)
+    return fake
+
+
+def test_installs_members_calls_and_functions_with_upstream_globals(worker):
+    user = worker.get("user")  # imports the function before the fix replaces it
+    states = worker.install([make_fix("F1", ["core/worker.py"])])
+    assert [(s.fix.id, s.state) for s in states] == [("F1", _runtime.ACTIVE)]
+    module = worker.get("core.worker")
+    made = module.Worker()
+    assert made.step() == OrderedDict(x=4)
+    assert made.extra == os.sep, "the overlay's code sees the upstream module's globals (os)"
+    assert made.hello() == "patched base", "zero-argument super() resolves to the live class"
+    assert module.Worker.make().x == 10 and made.doubled == 2
+    assert module.Worker.tag() == ("new", "tag")
+    assert module.new_helper() == ("new", 1)
+    assert module.Worker.__doc__ == "Upstream docstring."
+    assert module.Worker.step.__globals__ is module.__dict__
+    assert module.Worker.step.__qualname__ == "Worker.step"
+    assert module.OrderedDict is OrderedDict, "the import the splice would add"
+    # A module that imported the amended function before sees the fix too.
+    assert user.helper(2) == ("new", 2)
+    assert user.Worker is module.Worker
+    recorded = module.__vllm_patches_installed__["F1"]
+    assert {i.label for i in recorded} >= {"fakevllm.core.worker.Worker.step",
+                                           "fakevllm.core.worker.helper",
+                                           "fakevllm.core.worker.new_helper",
+                                           "fakevllm.core.worker.Worker.__init__ (calls _init_extra)"}
+    assert {i.label for i in states[0].installed} == {i.label for i in recorded}
+
+
+def test_tracebacks_point_at_the_overlay(worker):
+    worker.install([make_fix("F1", ["core/worker.py"])])
+    code = worker.get("core.worker").Worker.step.__code__
+    assert code.co_filename == str(worker.overlays / "core/worker.py")
+    assert code.co_firstlineno == OVERLAY.splitlines().index("    def step(self):") + 1
+
+
+def test_installing_twice_is_a_no_op(worker):
+    fixes = [make_fix("F1", ["core/worker.py"])]
+    worker.install(fixes)
+    module = worker.get("core.worker")
+    before = dict(module.Worker.__dict__), module.helper
+    worker.install(fixes)
+    assert dict(module.Worker.__dict__) == before[0] and module.helper is before[1]
+    assert module.Worker().inits == 1, "__init__ is wrapped once"
+
+
+def test_variants_are_chosen_by_release(worker):
+    worker.install([make_fix("F1", ["core/worker.py"])], release="0.19.0")
+    assert worker.get("core.worker").helper(1) == ("old", 1)
+
+
+def test_upstream_and_not_applicable_install_nothing(worker):
+    fixes = [make_fix("F1", ["core/worker.py"]),
+             make_fix("F2", ["core/worker.py"], releases=">=0.30.0", upstream_since=None)]
+    states = worker.install(fixes, release="0.24.0")
+    assert [(s.fix.id, s.state, s.detail) for s in states] == [
+        ("F1", _runtime.UPSTREAM, "since v0.24.0"),
+        ("F2", _runtime.NOT_APPLICABLE, "needed on >=0.30.0")]
+    assert f"{PACKAGE}.core.worker" not in sys.modules
+
+
+@pytest.mark.parametrize("overlay, message", [
+    ('@amend("F1", ">=0.18")\nclass Missing:\n    pass\n', "@amend Missing, but the module has no such"),
+    ('@amend("F1", ">=0.18")\ndef gone(a):\n    pass\n', "@amend gone, but the module has no such"),
+    ('@add("F1", ">=0.18")\ndef helper(a):\n    pass\n', "@add helper, but the module already defines"),
+    ('@amend("F1", ">=0.18")\nclass helper:\n    pass\n', "helper is function, not a class"),
+    (('@amend("F1", ">=0.18")\nclass Base:\n    @call_at_end_of("__init__")\n    def _x(self):\n'
+      '        pass\n'), "Base has no __init__ to call _x from"),
+])
+def test_a_missing_target_is_an_error_before_any_change(fake, overlay, message):
+    fake.module("core.worker", WORKER)
+    fake.overlay("core/worker.py", 'from vllm_patches._overlay import add, amend, call_at_end_of\n'
+                 '\n\n@amend("F1", ">=0.18")\nclass Worker:\n    def step(self):\n        return 0\n'
+                 '\n\n' + overlay)
+    with pytest.raises(ActivationError, match=message):
+        fake.install([make_fix("F1", ["core/worker.py"])])
+    assert fake.get("core.worker").Worker().step() == 1, "validated before changing anything"
+
+
+def test_a_missing_module_is_an_error(fake):
+    fake.module("core.worker", WORKER)
+    fake.overlay("core/gone.py", '@amend("F1", ">=0.18")\ndef f():\n    pass\n')
+    with pytest.raises(ActivationError, match="cannot import the target module fakevllm.core.gone"):
+        fake.install([make_fix("F1", ["core/gone.py"])])
+
+
+def test_a_needed_fix_without_a_variant_is_an_error(worker):
+    fixes = [make_fix("F1", ["core/worker.py"], releases=">=0.18.0,<0.30.0",
+                      upstream_since="0.30.0")]
+    with pytest.raises(ActivationError, match="no overlay variant holds that release"):
+        worker.install(fixes, release="0.25.0")
+
+
+def test_a_failed_postcondition_is_loud(fake):
+    fake.module("core.worker", '''\
+        class Sticky(type):
+            def __setattr__(cls, name, value):
+                pass  # swallows every assignment
+
+
+        class Worker(metaclass=Sticky):
+            def step(self):
+                return 1
+        ''')
+    fake.overlay("core/worker.py", '''\
+        from vllm_patches._overlay import amend
+
+
+        @amend("F1", ">=0.18")
+        class Worker:
+            def step(self):
+                return 2
+        ''')
+    with pytest.raises(ActivationError, match="postconditions failed.*Worker.step is not the "
+                                              "installed definition"):
+        fake.install([make_fix("F1", ["core/worker.py"])])
+
+
+META = '''\
+from dataclasses import dataclass, field
+
+
+@dataclass{params}
+class Meta:
+    """Upstream meta."""
+
+    events: dict[str, int] = field(default_factory=dict)
+    count: int = 0
+
+    def aggregate(self, other):
+        return Meta(events={{**self.events, **other.events}})
+'''
+
+META_OVERLAY = '''\
+from vllm_patches._overlay import amend
+
+
+@amend("F1", ">=0.18")
+class Meta:
+    ready: frozenset[int] = frozenset()
+
+    def aggregate(self, other):
+        return Meta(events={**self.events, **other.events}, ready=self.ready | other.ready)
+'''
+
+
+@pytest.mark.parametrize("params", ["", "(frozen=True)", "(order=True)"])
+def test_a_dataclass_gets_new_fields_in_place(fake, params):
+    fake.module("meta", META.format(params=params))
+    fake.module("consumer", "from fakevllm.meta import Meta\n")
+    fake.overlay("meta.py", META_OVERLAY)
+    module, consumer = fake.get("meta"), fake.get("consumer")
+    cls = module.Meta
+    old = cls(events={"a": 1})
+    fake.install([make_fix("F1", ["meta.py"])])
+    assert module.Meta is cls and consumer.Meta is cls
+    assert [f.name for f in dataclasses.fields(cls)] == ["events", "count", "ready"]
+    first, second = cls(), cls()
+    assert first.events == {} and first.events is not second.events, "default_factory kept"
+    merged = cls(events={"a": 1}, ready=frozenset({0})).aggregate(cls(ready=frozenset({1})))
+    assert merged.ready == {0, 1} and merged.events == {"a": 1}
+    assert "ready=frozenset()" in repr(first) and first == second
+    assert cls.__doc__ == "Upstream meta."
+    assert isinstance(old, cls) and old.ready == frozenset(), "old instances see the default"
+    if "frozen" in params:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            first.ready = frozenset({2})
+    if "order" in params:
+        assert cls(count=1) < cls(count=2)
+
+
+def test_a_slots_dataclass_is_refused(fake):
+    fake.module("meta", META.format(params="(slots=True)"))
+    fake.overlay("meta.py", META_OVERLAY)
+    with pytest.raises(ActivationError, match="slots dataclass"):
+        fake.install([make_fix("F1", ["meta.py"])])
+
+
+def test_future_annotations_follow_the_upstream_module(fake):
+    fake.module("core.worker", "from __future__ import annotations\n\n\n" + WORKER)
+    fake.overlay("core/worker.py", '''\
+        from vllm_patches._overlay import amend
+
+
+        @amend("F1", ">=0.18")
+        def helper(a: Undefined) -> int:
+            return a
+        ''')
+    fake.install([make_fix("F1", ["core/worker.py"])])
+    assert fake.get("core.worker").helper.__annotations__ == {"a": "Undefined", "return": "int"}
+
+
+def test_an_overlay_importing_an_added_name_goes_after_the_overlay_that_adds_it(fake):
+    fake.module("meta", "def existing():\n    return 1\n")
+    fake.module("manager", "class Manager:\n    def ready(self):\n        return False\n")
+    fake.overlay("manager.py", '''\
+        from fakevllm.meta import is_ready
+
+        from vllm_patches._overlay import amend
+
+
+        @amend("F1", ">=0.18")
+        class Manager:
+            def ready(self):
+                return is_ready()
+        ''')
+    fake.overlay("meta.py", '''\
+        from vllm_patches._overlay import add
+
+
+        @add("F1", ">=0.18")
+        def is_ready():
+            return True
+        ''')
+    fake.install([make_fix("F1", ["manager.py", "meta.py"])])
+    assert fake.get("manager").Manager().ready() is True
+
+
+def test_a_later_fix_replaces_an_earlier_ones_member(fake):
+    fake.module("core.worker", WORKER)
+    fake.overlay("core/worker.py", '''\
+        from vllm_patches._overlay import amend
+
+
+        @amend("F3", ">=0.18")
+        def helper(a):
+            return "f2 and f3"
+
+
+        @amend("F2", ">=0.18")
+        def helper(a):
+            return "f2"
+        ''')
+    fixes = [make_fix(i, ["core/worker.py"], ">=0.18", None) for i in ("F2", "F3")]
+    fake.install(fixes)
+    assert fake.get("core.worker").helper(0) == "f2 and f3"
+
+
+def test_a_source_tree_that_carries_the_fix_is_left_alone(fake):
+    patched = WORKER.replace('''    def step(self):
+        return self.x
+''', '''    def step(self):
+        return self.x + 1
+
+    def _init_extra(self):
+        self.inits = getattr(self, "inits", 0) + 1
+''').replace("        self.x = 1\n", "        self.x = 1\n        self._init_extra()\n")
+    fake.module("core.worker", patched)
+    fake.overlay("core/worker.py", '''\
+        from vllm_patches._overlay import amend, call_at_end_of
+
+
+        @amend("F1", ">=0.18")
+        class Worker:
+            def step(self):
+                return self.x + 1
+
+            @call_at_end_of("__init__")
+            def _init_extra(self):
+                self.inits = getattr(self, "inits", 0) + 1
+        ''')
+    states = fake.install([make_fix("F1", ["core/worker.py"])])
+    assert (states[0].state, states[0].detail) == (_runtime.IN_SOURCE, "patched tree")
+    module = fake.get("core.worker")
+    assert module.Worker().inits == 1 and not hasattr(module, "__vllm_patches_installed__")
+
+
+# ---------------------------------------------------------------- choosing and refusing
+
+SERIES = _series.load()
+
+
+def test_selection_by_environment():
+    every = [f.id for f in SERIES.fixes]
+    assert _runtime.selected_ids(SERIES, {}) == every
+    assert _runtime.selected_ids(SERIES, {"VLLM_PATCHES_FIXES": "all"}) == every
+    assert _runtime.selected_ids(SERIES, {"VLLM_PATCHES_FIXES": f" {every[0]} "}) == every[:1]
+    with pytest.raises(ActivationError, match="names unknown fix.*F99"):
+        _runtime.selected_ids(SERIES, {"VLLM_PATCHES_FIXES": "F99"})
+    with pytest.raises(ActivationError, match="VLLM_PATCHES_DISABLE='maybe': expected 1 or 0"):
+        _runtime.env_flag({"VLLM_PATCHES_DISABLE": "maybe"}, "VLLM_PATCHES_DISABLE")
+
+
+def test_supported_range_is_oldest_lane_series_to_newest_lane():
+    supported = _runtime.supported_releases(SERIES)
+    lanes = sorted(SERIES.releases)
+    assert Version(f"{lanes[0].major}.{lanes[0].minor}.0") in supported
+    assert all(lane in supported for lane in lanes)
+    assert Version(f"{lanes[-1].major}.{lanes[-1].minor + 1}.0") not in supported
+
+
+def test_unsupported_releases_are_refused_unless_overridden():
+    with pytest.raises(ActivationError, match=r"v0\.17\.0 is not a supported release \(supported: "
+                                              r"v0\.18\.0 \.\. v.*VLLM_PATCHES_ALLOW_UNSUPPORTED=1"):
+        _runtime.release_of("0.17.0", SERIES, allow_unsupported=False)
+    with pytest.raises(ActivationError, match="development build"):
+        _runtime.release_of("0.21.1.dev3+g123", SERIES, allow_unsupported=False)
+    assert _runtime.release_of("0.17.0", SERIES, allow_unsupported=True) == Version("0.17.0")
+    assert _runtime.release_of("0.21.1.dev3", SERIES, allow_unsupported=True) == Version("0.21.1")
+    assert _runtime.release_of("0.21.0+cpu", SERIES, allow_unsupported=False) == Version("0.21.0")
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """activate() as in a new process, with a fake installer and vLLM version."""
+    monkeypatch.setattr(_runtime, "_CURRENT", None)
+    calls = []
+
+    def fake_install(series, release, ids):
+        calls.append((release, ids))
+        return _runtime.plan(series, release, ids)
+
+    monkeypatch.setattr(_runtime, "install", fake_install)
+    monkeypatch.setattr(_runtime, "installed_version_text", lambda: "0.21.0+cpu")
+    return calls
+
+
+def test_activate_reads_the_environment_once_per_process(fresh_process):
+    first = _runtime.activate({"VLLM_PATCHES_FIXES": "F1"})
+    assert fresh_process == [(Version("0.21.0"), ["F1"])]
+    assert _runtime.activate({}) is first and len(fresh_process) == 1
+    assert _runtime.current() is first
+
+
+def test_disabled_activates_nothing(fresh_process):
+    activation = _runtime.activate({"VLLM_PATCHES_DISABLE": "1", "VLLM_PATCHES_FIXES": "F99"})
+    assert activation.disabled and fresh_process == []
+    assert activation.line() == "vllm-patches: disabled by VLLM_PATCHES_DISABLE; no fix is active"
+
+
+def test_override_activates_an_unsupported_release(fresh_process, monkeypatch):
+    monkeypatch.setattr(_runtime, "installed_version_text", lambda: "0.17.0")
+    with pytest.raises(ActivationError, match="not a supported release"):
+        _runtime.activate({})
+    _runtime.activate({"VLLM_PATCHES_ALLOW_UNSUPPORTED": "1"})
+    assert fresh_process == [(Version("0.17.0"), [f.id for f in SERIES.fixes])]
+
+
+def test_register_logs_one_line_once(fresh_process, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
+    _runtime.register()
+    _runtime.register()
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.vllm_patches"]
+    assert len(lines) == 1
+    assert lines[0].startswith("vllm-patches on vLLM v0.21.0: active: F1")
+    assert "; upstream: " in lines[0]
+    assert "not applicable: " in lines[0]
+
+
+def test_the_line_names_what_is_upstream_and_what_does_not_apply():
+    f1 = make_fix("F1", [])
+    f4 = make_fix("F4", [], releases=">=0.19.0", upstream_since=None)
+    states = _runtime.plan(Series((f1, f4), LANES), Version("0.33.0"), ["F1", "F4"])
+    assert _runtime.Activation(Version("0.33.0"), states).line() == (
+        "vllm-patches on vLLM v0.33.0: active: F4; upstream: F1 (since v0.24.0); "
+        "not applicable: none")
+    states = _runtime.plan(Series((f1, f4), LANES), Version("0.18.1"), ["F4"])
+    assert _runtime.Activation(Version("0.18.1"), states).line() == (
+        "vllm-patches on vLLM v0.18.1: active: none; upstream: none; not applicable: F4 (needed "
+        "on >=0.19.0); not selected (VLLM_PATCHES_FIXES): F1")
+
+
+def test_the_entry_point_is_declared():
+    pyproject = tomllib.loads((_series.REPO_DIR / "pyproject.toml").read_text())
+    plugins = pyproject["project"]["entry-points"][_runtime.ENTRY_POINT_GROUP]
+    assert plugins == {_runtime.ENTRY_POINT_NAME: "vllm_patches._runtime:register"}
+
+
+def test_the_plugin_module_imports_without_libcst():
+    """vLLM logs and skips a plugin whose module fails to import: keep that import small."""
+    code = "import sys, vllm_patches._runtime; print(sorted(m for m in sys.modules if 'libcst' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("release", sorted({Version(f"0.{m}.0") for m in range(18, 34)}
+                                           | set(SERIES.releases)), ids=str)
+def test_the_real_overlays_compile_for_every_supported_release(release):
+    """What activation would execute on ``release``: selected, compiled, not run."""
+    fixes = [s.fix for s in _runtime.plan(SERIES, release, [f.id for f in SERIES.fixes])
+             if s.state == _runtime.ACTIVE]
+    for item in _runtime._plans(fixes, release, _series.PACKAGE_DIR, "vllm"):
+        for definition in item.definitions:
+            compile(_runtime.ast.Module(body=[definition.node], type_ignores=[]),
+                    str(item.path), "exec", dont_inherit=True)
+
+
+def test_an_amended_class_with_only_a_docstring_keeps_upstreams(fake):
+    fake.module("core.worker", WORKER)
+    fake.overlay("core/worker.py", '''\
+        from vllm_patches._overlay import amend
+
+
+        @amend("F1", ">=0.18")
+        class Worker:
+            """Only a docstring."""
+        ''')
+    fake.install([make_fix("F1", ["core/worker.py"])])
+    assert fake.get("core.worker").Worker.__doc__ == "Upstream docstring."

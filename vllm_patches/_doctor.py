@@ -1,0 +1,185 @@
+"""``vllm-patches doctor``: what this Python runs, which fixes are active in it, and the
+known-bad combinations it is in.
+
+Versions come from the installed distributions' metadata (``importlib.metadata``), so
+the report describes the environment vLLM would start in, not a checkout. Where vLLM is
+importable, doctor loads vLLM's general plugins the way vLLM's processes do, so the
+fixes it lists as active went through the real entry point.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+from vllm_patches import _runtime, _series
+from vllm_patches._errors import UserError
+
+OK, WARN, BAD = "ok", "warning", "BAD"
+
+
+@dataclass(frozen=True)
+class KnownBad:
+    """A package release range that breaks vLLM under some condition."""
+
+    package: str
+    fixed_in: Version  # first good release
+    min_tensor_parallel: int  # the breakage needs tensor parallelism >= this
+    what: str
+    reference: str
+
+
+KNOWN_BAD = (
+    KnownBad(
+        package="kvcached",
+        fixed_in=Version("0.1.6"),
+        min_tensor_parallel=2,
+        what="vLLM never becomes ready at startup (the API server never listens): the "
+             "coordinator sets kvcached up with world_size=1, and the background prealloc "
+             "thread races the first null-block allocation",
+        reference="kvcached issue 339, PRs 340 and 341",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # OK, WARN or BAD
+    text: str
+
+    def line(self) -> str:
+        return f"  {self.level}: {self.text}"
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def plugin_registered() -> bool:
+    return any(entry.name == _runtime.ENTRY_POINT_NAME and
+               entry.value == "vllm_patches._runtime:register"
+               for entry in importlib.metadata.entry_points(group=_runtime.ENTRY_POINT_GROUP))
+
+
+def known_bad(tensor_parallel_size: int | None) -> list[Finding]:
+    findings = []
+    for bad in KNOWN_BAD:
+        text = installed_version(bad.package)
+        if text is None:
+            continue
+        try:
+            version = Version(text)
+        except InvalidVersion:
+            findings.append(Finding(WARN, f"{bad.package} {text}: cannot read its version"))
+            continue
+        if version >= bad.fixed_in:
+            findings.append(Finding(OK, f"{bad.package} {text} (>= {bad.fixed_in})"))
+            continue
+        advice = (f"fixed in {bad.package} {bad.fixed_in}: pip install "
+                  f"'{bad.package}>={bad.fixed_in}' ({bad.reference})")
+        if tensor_parallel_size is None:
+            findings.append(Finding(WARN, f"{bad.package} {text} with tensor parallelism >= "
+                                          f"{bad.min_tensor_parallel}: {bad.what}; {advice}. "
+                                          "Pass --tensor-parallel-size to check your setup"))
+        elif tensor_parallel_size >= bad.min_tensor_parallel:
+            findings.append(Finding(BAD, f"{bad.package} {text} with tensor parallelism "
+                                         f"{tensor_parallel_size}: {bad.what}; {advice}"))
+        else:
+            findings.append(Finding(OK, f"{bad.package} {text} at tensor parallelism "
+                                        f"{tensor_parallel_size}; tensor parallelism >= "
+                                        f"{bad.min_tensor_parallel} would hang ({advice})"))
+    return findings
+
+
+def _activation(environ: Mapping[str, str], load: bool,
+                registered: bool) -> tuple[_runtime.Activation | None, list[Finding], str]:
+    """(the activation, findings, how it was obtained) for this Python."""
+    activation = _runtime.current()
+    if activation is not None:
+        return activation, [], "active in this Python"
+    if load and importlib.util.find_spec("vllm") is not None:
+        try:
+            from vllm.plugins import load_general_plugins
+
+            load_general_plugins()
+        except UserError as exc:
+            return None, [Finding(BAD, f"vLLM would not start: {exc}")], ""
+        except Exception as exc:  # noqa: BLE001 - another plugin, or vLLM itself
+            return None, [Finding(BAD, f"loading vLLM's general plugins failed: {exc!r}")], ""
+        activation = _runtime.current()
+        if activation is not None:
+            return activation, [], "active in this Python, through vLLM's plugin loader"
+        allowed = environ.get("VLLM_PLUGINS")
+        why = (f"VLLM_PLUGINS={allowed!r} leaves out {_runtime.ENTRY_POINT_NAME}"
+               if allowed is not None and _runtime.ENTRY_POINT_NAME not in allowed.split(",")
+               else "its entry point is not installed" if not registered
+               else "its module failed to import (see the log above)")
+        findings = [Finding(WARN, f"the vllm_patches plugin did not run: {why}; no fix is "
+                                  "active in vLLM processes")]
+    else:
+        findings = [] if not load else [Finding(WARN, "vLLM is installed but not importable "
+                                                      "in this Python; showing the plan")]
+    series = _series.load()
+    try:
+        if _runtime.env_flag(environ, _runtime.ENV_DISABLE):
+            return _runtime.Activation(None, [], disabled=True), findings, "plan"
+        ids = _runtime.selected_ids(series, environ)
+        release = _runtime.release_of(
+            installed_version("vllm") or "", series,
+            _runtime.env_flag(environ, _runtime.ENV_ALLOW_UNSUPPORTED))
+    except UserError as exc:
+        level = BAD if registered else WARN
+        return None, [*findings, Finding(level, f"the plugin refuses: {exc}")], ""
+    return _runtime.Activation(release, _runtime.plan(series, release, ids)), findings, \
+        "would be activated by the plugin (not loaded here)"
+
+
+def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] | None = None,
+           load: bool = True) -> tuple[list[str], bool]:
+    """(the report's lines, whether it found a known-bad combination or a refusal)."""
+    environ = os.environ if environ is None else environ
+    series = _series.load()
+    lines = [f"Python {sys.version.split()[0]} ({sys.executable})"]
+    vllm = installed_version("vllm")
+    registered = plugin_registered()
+    lines.append(f"vLLM: {vllm or 'not installed'}")
+    for bad in KNOWN_BAD:
+        lines.append(f"{bad.package}: {installed_version(bad.package) or 'not installed'}")
+    lines.append(f"tensor parallelism: "
+                 f"{tensor_parallel_size if tensor_parallel_size else 'not given'}")
+    lines.append(f"supported vLLM releases: {_runtime.describe_range(series)}")
+    lines.append("vllm_patches plugin: " + ("registered" if registered else "not registered "
+                 "(install this package with pip to activate the fixes in vLLM processes)"))
+    variables = [f"{name}={environ[name]}" for name in (
+        _runtime.ENV_DISABLE, _runtime.ENV_FIXES, _runtime.ENV_ALLOW_UNSUPPORTED, "VLLM_PLUGINS")
+        if name in environ]
+    lines.append("environment: " + (", ".join(variables) or "no VLLM_PATCHES_* or VLLM_PLUGINS"))
+    findings: list[Finding] = []
+    if vllm is not None:
+        activation, found, how = _activation(environ, load, registered)
+        findings += found
+        if activation is not None and activation.disabled:
+            findings.append(Finding(WARN, f"{_runtime.ENV_DISABLE} is set: no fix is active"))
+        elif activation is not None:
+            lines.append(f"fixes on vLLM v{activation.release}, {how}:")
+            for state in activation.states:
+                shown = state.state if state.state != _runtime.ACTIVE or "not loaded" not in how \
+                    else "would be active"
+                detail = f" ({state.detail})" if state.detail else ""
+                lines.append(f"  {state.fix.id} {state.fix.slug}: {shown}{detail}")
+    findings += known_bad(tensor_parallel_size)
+    lines.append("checks:")
+    lines += [finding.line() for finding in findings] or ["  ok: nothing to check"]
+    bad = any(finding.level == BAD for finding in findings)
+    lines.append("result: " + ("known-bad combination or refusal found" if bad else "no known "
+                               "problem"))
+    return lines, bad

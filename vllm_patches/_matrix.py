@@ -1,0 +1,160 @@
+"""The compatibility matrix: for every release the series spans, what each fix is there.
+
+A cell is ``patch`` (the fix's patch is generated from the overlays against that
+release's tree, on top of the fixes before it, and passes the same checks as
+``regen``), ``upstream``, ``n/a`` (the release does not need it), ``conflict`` (the
+overlays do not splice: a missing definition or file, unformatted output) or ``no
+variant`` (the release needs the fix, but no overlay variant's range holds it).
+The releases are those with a source archive on the index within the supported
+range (``_runtime.supported_releases``), so the matrix also says what runtime
+activation will do on each release it accepts.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from vllm_patches import _patches, _releases, _runtime
+from vllm_patches._errors import UserError
+from vllm_patches._series import Fix, Series
+
+PATCH = "patch"
+UPSTREAM = "upstream"
+NOT_APPLICABLE = "n/a"
+CONFLICT = "conflict"
+NO_VARIANT = "no variant"
+PROBLEMS = (CONFLICT, NO_VARIANT)
+
+README_BEGIN = "<!-- matrix:begin -->"
+README_END = "<!-- matrix:end -->"
+NO_VARIANT_MESSAGE = "no overlay variant holds it"
+
+
+@dataclass(frozen=True)
+class Cell:
+    state: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Row:
+    release: Version
+    cells: dict[str, Cell]  # fix id -> cell
+    lane: bool
+
+
+def releases_in_range(series: Series, available: list[Version]) -> list[Version]:
+    supported = _runtime.supported_releases(series)
+    return sorted(release for release in available if release in supported)
+
+
+def _failure(exc: UserError) -> Cell:
+    message = str(exc)
+    return Cell(NO_VARIANT if NO_VARIANT_MESSAGE in message else CONFLICT, message)
+
+
+def row(series: Series, release: Version, tree: Path) -> Row:
+    """The matrix row of ``release``, its patches generated against ``tree`` (a fetched release)."""
+    cells: dict[str, Cell] = {}
+    for fix in series.fixes:
+        if fix.is_upstream(release):
+            cells[fix.id] = Cell(UPSTREAM, f"since v{fix.upstream_since}")
+        elif release not in fix.releases:
+            cells[fix.id] = Cell(NOT_APPLICABLE,
+                                 f"needed on {_runtime.describe_releases(fix.releases)}")
+    needed = series.applicable(release)
+    try:
+        _patches.generate(series, release, tree)
+        cells.update({fix.id: Cell(PATCH) for fix in needed})
+    except UserError:
+        # Find the culprit: each fix on top of those before it that went in cleanly.
+        clean: list[Fix] = []
+        for fix in needed:
+            try:
+                _patches.generate(Series((*clean, fix), series.releases), release, tree)
+            except UserError as exc:
+                cells[fix.id] = _failure(exc)
+                continue
+            clean.append(fix)
+            cells[fix.id] = Cell(PATCH)
+    return Row(release, {fix.id: cells[fix.id] for fix in series.fixes},
+               release in series.releases)
+
+
+def compute(series: Series, releases: list[Version]) -> list[Row]:
+    """Rows for ``releases``, fetching (or reusing the cached) source of each."""
+    return [row(series, release, _releases.fetch(release)) for release in releases]
+
+
+def render_row(row_: Row) -> str:
+    name = f"v{row_.release}" + (" (lane)" if row_.lane else "")
+    return "| " + " | ".join([name, *(cell.state for cell in row_.cells.values())]) + " |"
+
+
+def render_notes(row_: Row) -> list[str]:
+    """One line per problem cell of the row (conflict / no variant, with the reason)."""
+    return [f"- v{row_.release} {fix_id} {cell.state}: {cell.detail}"
+            for fix_id, cell in row_.cells.items() if cell.state in PROBLEMS]
+
+
+def render(series: Series, rows: list[Row]) -> str:
+    """The matrix as a Markdown table, a legend per fix, and the problems."""
+    header = "| vLLM | " + " | ".join(f.id for f in series.fixes) + " |"
+    lines = [header, "|---" * (len(series.fixes) + 1) + "|"]
+    lines += [render_row(r) for r in rows]
+    lines.append("")
+    for fix in series.fixes:
+        upstream = f"; upstream since v{fix.upstream_since}" if fix.upstream_since else ""
+        lines.append(f"- {fix.id} `{fix.slug}`: needed on vLLM "
+                     f"{_runtime.describe_releases(fix.releases)}{upstream}")
+    notes = [note for r in rows for note in render_notes(r)]
+    if notes:
+        lines += ["", "Problems:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def readme_section(series: Series, rows: list[Row]) -> str:
+    """The generated README section, markers included."""
+    intro = (f"Every release {_runtime.describe_range(series)} with a source archive (generated "
+             "by `vllm-patches matrix --write-readme`; do not edit): `patch` means the fix's "
+             "patch is generated from the overlays against that release and applies cleanly "
+             "(lanes also run the tests), `upstream` that the release has the fix, `n/a` that "
+             "it does not need it. Runtime activation accepts exactly these releases.")
+    return f"{README_BEGIN}\n{textwrap.fill(intro, 92)}\n\n{render(series, rows)}{README_END}"
+
+
+SECTION = re.compile(re.escape(README_BEGIN) + r"(.*?)" + re.escape(README_END), re.DOTALL)
+
+
+def _section(text: str) -> re.Match[str]:
+    match = SECTION.search(text)
+    if not match:
+        raise UserError(f"README has no {README_BEGIN} ... {README_END} section")
+    return match
+
+
+def replace_section(text: str, section: str) -> str:
+    """``text`` (README) with its generated section replaced by ``section``."""
+    match = _section(text)
+    return text[:match.start()] + section + text[match.end():]
+
+
+def readme_rows(text: str) -> dict[Version, str]:
+    """Release -> its table line, from README's generated section."""
+    rows = {}
+    for line in _section(text).group(1).splitlines():
+        found = re.match(r"^\| v(\d+\.\d+\.\d+)( \(lane\))? \|", line)
+        if found:
+            rows[Version(found.group(1))] = line
+    return rows
+
+
+def readme_notes(text: str, release: Version) -> list[str]:
+    """The problem lines README's generated section holds for ``release``."""
+    return [line for line in _section(text).group(1).splitlines()
+            if line.startswith(f"- v{release} ")]

@@ -1,0 +1,766 @@
+"""Runtime activation: install the overlays onto the live classes of a pip-installed vLLM.
+
+vLLM calls ``register()`` (entry point ``vllm_patches`` in the group
+``vllm.general_plugins``) in every process that loads general plugins: the API
+server's argument parsing, the engine core, and each worker, spawned or forked. It
+installs the fixes that the installed vLLM release needs, from the same overlays the
+git patches are generated from, once per process, verifies that every target now
+carries its fix, and logs one line: what is active, upstream, not applicable.
+
+How a fix is installed mirrors the static splice (``_splice``) exactly:
+
+- the definitions are the ones ``Overlay.select`` picks for the release (the same
+  variants, in series order); no overlay module is imported, so the imports that
+  other releases' variants need never run;
+- each definition's source is compiled from the overlay file (tracebacks point at
+  it) and executed in the upstream module's namespace, so its functions' globals are
+  the upstream module's, as if the code sat in the upstream file;
+- the imports the splice would add (``_splice.missing_imports``) are added first;
+- an amended class gets each member set on the live class (zero-argument ``super()``
+  gets the live class); new dataclass fields re-run ``dataclasses.dataclass`` on the
+  live class in place; ``@call_at_end_of(m)`` wraps upstream ``m`` to call the new
+  method when it returns; an amended module function replaces the module's binding
+  and every same-named binding of it in loaded modules; ``@add`` binds a new name.
+
+Anything unexpected is an ``ActivationError``, raised into vLLM, which then fails to
+start: an unsupported release, a missing module or symbol, a postcondition that does
+not hold. Nothing is skipped with a log line. Only the standard library and
+``packaging`` are imported at module level: vLLM logs and skips a plugin whose module
+fails to import, so everything else is imported inside ``register()``, where a
+failure propagates.
+
+Environment (read once per process): ``VLLM_PATCHES_DISABLE=1`` turns the plugin off;
+``VLLM_PATCHES_FIXES=F1,F4`` chooses fixes (default: all); ``VLLM_PATCHES_ALLOW_UNSUPPORTED=1``
+activates on a release outside the supported range.
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import sys
+import threading
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from vllm_patches import _series
+from vllm_patches._errors import UserError
+from vllm_patches._overlay import ADD, AMEND
+from vllm_patches._series import Fix, Series
+
+ENV_DISABLE = "VLLM_PATCHES_DISABLE"
+ENV_FIXES = "VLLM_PATCHES_FIXES"
+ENV_ALLOW_UNSUPPORTED = "VLLM_PATCHES_ALLOW_UNSUPPORTED"
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "vllm_patches"
+# Set on each upstream module that received definitions: fix id -> what was installed.
+INSTALLED_ATTR = "__vllm_patches_installed__"
+# Set on the wrapper that @call_at_end_of installs: the method it calls.
+CALL_AT_END_ATTR = "__vllm_patches_call_at_end_of__"
+
+# Under "vllm." so that vLLM's logging configuration prints it like its own lines.
+logger = logging.getLogger("vllm.vllm_patches")
+
+# Per-fix states, as `doctor` and the log line show them.
+ACTIVE = "active"
+IN_SOURCE = "in source"  # the tree already carries the patch (vllm-patches apply)
+UPSTREAM = "upstream"
+NOT_APPLICABLE = "n/a"
+NOT_SELECTED = "not selected"
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("", "0", "false", "no", "off")
+
+
+class ActivationError(UserError):
+    """The fixes cannot be activated as asked; vLLM must not start without saying so."""
+
+    def __init__(self, message: str):
+        super().__init__(f"vllm-patches: {message}")
+
+
+@dataclass
+class FixState:
+    fix: Fix
+    state: str
+    detail: str = ""
+    installed: list[Installed] = field(default_factory=list)
+
+    def label(self) -> str:
+        return f"{self.fix.id} ({self.detail})" if self.detail else self.fix.id
+
+
+@dataclass
+class Activation:
+    """What ``activate`` did in this process."""
+
+    release: Version | None
+    states: list[FixState]
+    disabled: bool = False
+
+    def ids(self, state: str) -> list[str]:
+        return [s.fix.id for s in self.states if s.state == state]
+
+    def line(self) -> str:
+        """The one log line: active, upstream, not applicable (and the rest when any)."""
+        if self.disabled:
+            return f"vllm-patches: disabled by {ENV_DISABLE}; no fix is active"
+        groups = [(ACTIVE, "active"), (IN_SOURCE, "already in the source tree"),
+                  (UPSTREAM, "upstream"), (NOT_APPLICABLE, "not applicable"),
+                  (NOT_SELECTED, f"not selected ({ENV_FIXES})")]
+        parts = []
+        for state, title in groups:
+            members = [s for s in self.states if s.state == state]
+            if members or state in (ACTIVE, UPSTREAM, NOT_APPLICABLE):
+                shown = ", ".join(s.label() if state in (UPSTREAM, NOT_APPLICABLE) else s.fix.id
+                                  for s in members)
+                parts.append(f"{title}: {shown or 'none'}")
+        return f"vllm-patches on vLLM v{self.release}: " + "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------- choosing
+
+
+def env_flag(environ: Mapping[str, str], name: str) -> bool:
+    value = environ.get(name, "").strip().lower()
+    if value in TRUE_WORDS:
+        return True
+    if value in FALSE_WORDS:
+        return False
+    raise ActivationError(f"{name}={environ[name]!r}: expected 1 or 0")
+
+
+def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
+    """The fix ids ``VLLM_PATCHES_FIXES`` names (all when unset), in series order."""
+    known = [fix.id for fix in series.fixes]
+    raw = environ.get(ENV_FIXES, "").strip()
+    if raw.lower() in ("", "all"):
+        return known
+    wanted = [part.strip() for part in raw.split(",") if part.strip()]
+    unknown = [fix_id for fix_id in wanted if fix_id not in known]
+    if unknown:
+        raise ActivationError(f"{ENV_FIXES} names unknown fix(es) {', '.join(unknown)} "
+                              f"(the series has {', '.join(known)})")
+    return [fix_id for fix_id in known if fix_id in wanted]
+
+
+def supported_releases(series: Series) -> SpecifierSet:
+    """The releases the series has been checked against: from the oldest lane's minor
+    series (X.Y.0) through the newest lane. ``vllm-patches matrix`` covers exactly these."""
+    lanes = sorted(series.releases)
+    oldest, newest = lanes[0], lanes[-1]
+    return SpecifierSet(f">={oldest.major}.{oldest.minor}.0,<={newest}")
+
+
+def describe_releases(releases: SpecifierSet) -> str:
+    """``>=0.18.0,<0.24.0`` (lower bounds first), not packaging's sorted ``<0.24.0,>=0.18.0``."""
+    return ",".join(sorted(map(str, releases), key=lambda spec: (spec.startswith("<"), spec)))
+
+
+def describe_range(series: Series) -> str:
+    lanes = sorted(series.releases)
+    return f"v{lanes[0].major}.{lanes[0].minor}.0 .. v{lanes[-1]}"
+
+
+def installed_version_text() -> str:
+    """The installed vLLM's version string (package metadata, else ``vllm.__version__``)."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        from vllm import __version__  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ActivationError(f"vLLM is not installed in this Python ({exc})") from None
+    return str(__version__)
+
+
+def release_of(text: str, series: Series, allow_unsupported: bool) -> Version:
+    """The release whose fixes apply to an installed vLLM ``text`` (``0.21.0+cpu`` -> 0.21.0).
+
+    Refuses, naming the supported range, a release outside it or a development build,
+    unless ``allow_unsupported`` (then a development build counts as its base release).
+    """
+    hint = (f"set {ENV_ALLOW_UNSUPPORTED}=1 to activate the fixes anyway, or "
+            f"{ENV_DISABLE}=1 to run without them")
+    try:
+        version = Version(text)
+    except InvalidVersion:
+        raise ActivationError(f"cannot read the vLLM version {text!r}; {hint}") from None
+    release = Version(version.base_version)
+    if version.is_devrelease or version.is_prerelease:
+        if not allow_unsupported:
+            raise ActivationError(
+                f"vLLM {text} is a development build, not a release; the fixes are known for "
+                f"releases {describe_range(series)}; {hint}")
+        return release
+    if release not in supported_releases(series) and not allow_unsupported:
+        raise ActivationError(
+            f"vLLM v{release} is not a supported release (supported: "
+            f"{describe_range(series)}); {hint}")
+    return release
+
+
+def plan(series: Series, release: Version, ids: list[str]) -> list[FixState]:
+    """Per fix of the series: what activation does on ``release`` (ACTIVE = install it)."""
+    states = []
+    for fix in series.fixes:
+        if fix.id not in ids:
+            states.append(FixState(fix, NOT_SELECTED))
+        elif fix.is_upstream(release):
+            states.append(FixState(fix, UPSTREAM, f"since v{fix.upstream_since}"))
+        elif release not in fix.releases:
+            states.append(FixState(fix, NOT_APPLICABLE,
+                                   f"needed on {describe_releases(fix.releases)}"))
+        else:
+            states.append(FixState(fix, ACTIVE))
+    return states
+
+
+# ---------------------------------------------------------------------- the process state
+
+_LOCK = threading.RLock()
+_CURRENT: Activation | None = None
+
+
+def current() -> Activation | None:
+    """What ``activate`` did in this process, or None if it has not run."""
+    return _CURRENT
+
+
+def activate(environ: Mapping[str, str] | None = None) -> Activation:
+    """Install the fixes the installed vLLM needs, once per process (re-entrant)."""
+    global _CURRENT
+    with _LOCK:
+        if _CURRENT is not None:
+            return _CURRENT
+        environ = os.environ if environ is None else environ
+        series = _series.load()
+        if env_flag(environ, ENV_DISABLE):
+            _CURRENT = Activation(None, [], disabled=True)
+            return _CURRENT
+        ids = selected_ids(series, environ)
+        release = release_of(installed_version_text(), series,
+                             env_flag(environ, ENV_ALLOW_UNSUPPORTED))
+        states = install(series, release, ids)
+        _CURRENT = Activation(release, states)
+        return _CURRENT
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point; raises (so vLLM stops) when it cannot."""
+    with _LOCK:
+        first = _CURRENT is None
+        activation = activate()
+    if first:
+        logger.info("%s", activation.line())
+
+
+# ------------------------------------------------------------------------- installing
+
+
+@dataclass
+class Installed:
+    """One thing a fix put into a live module or class, and how to check it is there."""
+
+    fix: str
+    owner: Any  # the upstream module or class
+    name: str
+    value: Any  # what owner.__dict__[name] is (for "field": the dataclass Field)
+    kind: str  # "member", "function", "add", "field", "call"
+
+    @property
+    def label(self) -> str:
+        owner = self.owner.__name__ if isinstance(self.owner, types.ModuleType) \
+            else f"{self.owner.__module__}.{self.owner.__qualname__}"
+        suffix = f" (calls {self.value})" if self.kind == "call" else ""
+        return f"{owner}.{self.name}{suffix}"
+
+    def problem(self, expected: Any) -> str | None:
+        """Why the postcondition does not hold (``expected``: the final value), or None."""
+        present = self.owner.__dict__.get(self.name, _MISSING)
+        if self.kind == "field":
+            fields = getattr(self.owner, "__dataclass_fields__", {})
+            if self.name not in fields:
+                return f"{self.label} is not a dataclass field"
+            if fields[self.name].init and \
+                    self.name not in inspect.signature(self.owner.__init__).parameters:
+                return f"{self.label} is not a parameter of __init__"
+            return None
+        if self.kind == "call":
+            while present is not _MISSING and getattr(present, CALL_AT_END_ATTR, None) != self.value:
+                present = getattr(present, "__wrapped__", _MISSING)
+            return None if present is not _MISSING else \
+                f"{self.label}: the upstream method no longer calls the new one"
+        if present is not expected:
+            return f"{self.label} is not the installed definition"
+        if not isinstance(self.owner, types.ModuleType) and \
+                inspect.getattr_static(self.owner, self.name) is not expected:
+            return f"{self.label} does not resolve to the installed definition"
+        return None
+
+
+_MISSING = object()
+
+
+@dataclass
+class _Member:
+    name: str
+    node: ast.stmt | None  # the member's ast (call_at_end_of stripped)
+    call_target: str | None  # @call_at_end_of(target)
+
+
+@dataclass
+class _Definition:
+    fix: str
+    kind: str  # AMEND or ADD
+    name: str
+    node: ast.stmt  # marker stripped
+    members: list[_Member]  # for an amended class
+    cst_node: Any  # what missing_imports analyses
+
+    @property
+    def amends_class(self) -> bool:
+        return self.kind == AMEND and isinstance(self.node, ast.ClassDef)
+
+
+@dataclass
+class _OverlayPlan:
+    overlay: str
+    path: Path
+    module_name: str
+    definitions: list[_Definition]
+    imports: tuple  # libcst import statements of the overlay
+    depends_on: set[str]  # upstream module names whose overlays must go first
+    module: types.ModuleType | None = None
+
+
+def module_name(overlay: str, package: str = _series.UPSTREAM_PACKAGE) -> str:
+    """``v1/core/x.py`` -> ``vllm.v1.core.x`` (the module the overlay mirrors)."""
+    dotted = overlay.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+    return f"{package}.{dotted}"
+
+
+def install(series: Series, release: Version, ids: list[str], *,
+            root: Path = _series.PACKAGE_DIR,
+            package: str = _series.UPSTREAM_PACKAGE) -> list[FixState]:
+    """Install the fixes ``ids`` needs on ``release`` into the live ``package``; re-entrant.
+
+    ``root`` holds the overlays. Everything is validated (modules import, targets exist)
+    before the first change; postconditions are checked after the last.
+    """
+    states = plan(series, release, ids)
+    wanted = [s.fix for s in states if s.state == ACTIVE]
+    if not wanted:
+        return states
+    plans = _plans(wanted, release, root, package)
+    by_fix = {s.fix.id: s for s in states}
+    for fix in wanted:
+        if not any(d.fix == fix.id for p in plans for d in p.definitions):
+            raise ActivationError(f"{fix.id} is needed on vLLM v{release} "
+                                  f"({describe_releases(fix.releases)}) but no overlay variant "
+                                  "holds that release")
+    for item in plans:
+        try:
+            item.module = importlib.import_module(item.module_name)
+        except ImportError as exc:
+            raise ActivationError(f"{item.overlay}: cannot import the target module "
+                                  f"{item.module_name} on vLLM v{release}: {exc}") from exc
+    skip, earlier = _already_there(plans, wanted, by_fix)
+    for item in plans:
+        _validate(item, skip)
+    installed = list(earlier)
+    for item in plans:
+        installed += _install_overlay(item, skip)
+    _check_postconditions(installed)
+    for item in installed:
+        by_fix[item.fix].installed.append(item)
+    return states
+
+
+def _plans(fixes: list[Fix], release: Version, root: Path, package: str) -> list[_OverlayPlan]:
+    """Parse every overlay of ``fixes``, select the variants for ``release``, order them."""
+    import libcst as cst
+
+    from vllm_patches._splice import Overlay
+
+    ids = [fix.id for fix in fixes]
+    plans = []
+    for overlay in dict.fromkeys(o for fix in fixes for o in fix.overlays):
+        path = root / overlay
+        parsed = Overlay.parse(path)
+        chosen = parsed.select(ids, release)
+        if not chosen:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        nodes = [n for n in tree.body
+                 if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        assert [n.name for n in nodes] == [d.name for d in parsed.definitions], path
+        definitions = []
+        for chosen_definition in chosen:
+            index = next(i for i, d in enumerate(parsed.definitions) if d is chosen_definition)
+            definitions.append(_definition(chosen_definition, nodes[index]))
+        depends = set()
+        for statement in parsed.imports:
+            node = statement.body[0]
+            if isinstance(node, cst.ImportFrom) and node.module is not None:
+                depends.add(cst.Module([]).code_for_node(node.module))
+        plans.append(_OverlayPlan(overlay, path, module_name(overlay, package), definitions,
+                                  parsed.imports, depends))
+    return _dependency_order(plans)
+
+
+def _dependency_order(plans: list[_OverlayPlan]) -> list[_OverlayPlan]:
+    """Overlays whose upstream module another overlay imports from go first (stable)."""
+    ordered: list[_OverlayPlan] = []
+    pending = list(plans)
+    while pending:
+        names = {p.module_name for p in pending}
+        ready = next((p for p in pending if not (p.depends_on & names) - {p.module_name}),
+                     pending[0])  # a cycle: keep the listed order
+        ordered.append(ready)
+        pending.remove(ready)
+    return ordered
+
+
+def _marker_name(decorator: ast.expr) -> str | None:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def _definition(parsed, node: ast.stmt) -> _Definition:
+    from vllm_patches._splice import CALL_AT_END_OF, MARKERS, _is_docstring, _member_name
+
+    node.decorator_list = [d for d in node.decorator_list if _marker_name(d) not in MARKERS]
+    members = []
+    if isinstance(node, ast.ClassDef) and parsed.kind == AMEND:
+        cst_members = [m for m in parsed.node.body.body if not _is_docstring(m)]
+        ast_members = [m for m in node.body if not _ast_docstring(m)]
+        names = [_member_name(m) for m in cst_members]
+        by_name = {_ast_member_name(m): m for m in ast_members}
+        for name in names:
+            member = by_name.get(name)
+            call_target = None
+            if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for decorator in list(member.decorator_list):
+                    if _marker_name(decorator) == CALL_AT_END_OF:
+                        call_target = decorator.args[0].value  # type: ignore[attr-defined]
+                        member.decorator_list.remove(decorator)
+            members.append(_Member(name, member, call_target))
+        # The overlay's class docstring is not spliced; it must not replace upstream's.
+        node.body = [m for m in node.body if not _ast_docstring(m)] or [
+            ast.copy_location(ast.Pass(), node)]
+    return _Definition(parsed.fix, parsed.kind, parsed.name, node, members, parsed.node)
+
+
+def _ast_docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+        and isinstance(node.value.value, str)
+
+
+def _ast_member_name(node: ast.stmt) -> str | None:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    target = None
+    if isinstance(node, ast.AnnAssign):
+        target = node.target
+    elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+        target = node.targets[0]
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def _already_there(plans: list[_OverlayPlan], fixes: list[Fix],
+                   by_fix: dict[str, FixState]) -> tuple[set[str], list[Installed]]:
+    """Fix ids to leave alone, and what earlier activations in this process installed.
+
+    A fix is left alone when an earlier activation installed it (the modules record
+    it), or when the source tree already carries it: a tree patched with
+    ``vllm-patches apply`` holds every definition of the fix verbatim (compared as
+    syntax trees), and installing it again would double its ``@call_at_end_of`` calls
+    and trip over its ``@add`` names.
+    """
+    skip: set[str] = set()
+    earlier: list[Installed] = []
+    for fix in fixes:
+        modules = list({id(p.module): p.module for p in plans
+                        if any(d.fix == fix.id for d in p.definitions)}.values())
+        records = [getattr(module, INSTALLED_ATTR, {}).get(fix.id) for module in modules]
+        if all(record is not None for record in records):
+            skip.add(fix.id)
+            earlier += [item for record in records for item in record]
+        elif all(_in_source(p.module, d) for p in plans for d in p.definitions
+                 if d.fix == fix.id):
+            by_fix[fix.id].state = IN_SOURCE
+            by_fix[fix.id].detail = "patched tree"
+            skip.add(fix.id)
+    return skip, earlier
+
+
+@functools.cache
+def _source_tree(path: str) -> ast.Module | None:
+    try:
+        return ast.parse(Path(path).read_text(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _in_source(module: types.ModuleType, definition: _Definition) -> bool:
+    """Whether the upstream module's source file already holds ``definition`` verbatim."""
+    path = getattr(module, "__file__", None)
+    tree = _source_tree(path) if path and path.endswith(".py") else None
+    if tree is None:
+        return False
+    top = {n.name: n for n in tree.body
+           if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+    upstream = top.get(definition.name)
+    if upstream is None:
+        return False
+    if not definition.amends_class:
+        return ast.dump(upstream) == ast.dump(definition.node)
+    members = {_ast_member_name(m): m for m in upstream.body}  # type: ignore[attr-defined]
+    for member in definition.members:
+        there = members.get(member.name)
+        if there is None or member.node is None or ast.dump(there) != ast.dump(member.node):
+            return False
+    for member in definition.members:
+        if member.call_target:
+            target = members.get(member.call_target)
+            call = ast.parse(f"self.{member.name}()").body[0]
+            if not isinstance(target, ast.FunctionDef) or \
+                    ast.dump(target.body[-1]) != ast.dump(call):
+                return False
+    return True
+
+
+def _validate(item: _OverlayPlan, skip: set[str]) -> None:
+    """Every target of the overlay's definitions exists (or, for @add, does not)."""
+    namespace = item.module.__dict__
+    where = f"{item.overlay} -> {item.module_name}"
+    for definition in item.definitions:
+        if definition.fix in skip:
+            continue
+        name = definition.name
+        if definition.kind == ADD:
+            if name in namespace:
+                raise ActivationError(f"{definition.fix}: {where}: @add {name}, but the module "
+                                      "already defines it")
+            continue
+        if name not in namespace:
+            raise ActivationError(f"{definition.fix}: {where}: @amend {name}, but the module "
+                                  "has no such definition")
+        target = namespace[name]
+        if definition.amends_class:
+            if not isinstance(target, type):
+                raise ActivationError(f"{definition.fix}: {where}: @amend class {name}, but "
+                                      f"{name} is {type(target).__name__}, not a class")
+            new_members = {m.name for m in definition.members}
+            for member in definition.members:
+                if member.call_target and member.call_target not in target.__dict__ \
+                        and member.call_target not in new_members:
+                    raise ActivationError(
+                        f"{definition.fix}: {where}: {name} has no {member.call_target} to call "
+                        f"{member.name} from")
+            if dataclasses.is_dataclass(target) and any(
+                    isinstance(m.node, ast.AnnAssign) for m in definition.members):
+                _check_dataclass_amendable(target, definition.fix, where)
+        elif not isinstance(target, types.FunctionType):
+            raise ActivationError(f"{definition.fix}: {where}: @amend def {name}, but {name} is "
+                                  f"{type(target).__name__}, not a function")
+
+
+def _check_dataclass_amendable(cls: type, fix: str, where: str) -> None:
+    if "__slots__" in cls.__dict__:
+        raise ActivationError(f"{fix}: {where}: {cls.__name__} is a slots dataclass; its fields "
+                              "cannot change at runtime (apply the git patch instead)")
+    subclasses = [sub.__qualname__ for sub in cls.__subclasses__() if dataclasses.is_dataclass(sub)]
+    if subclasses:
+        raise ActivationError(f"{fix}: {where}: {cls.__name__} has dataclass subclasses "
+                              f"({', '.join(subclasses)}) whose fields would not change at "
+                              "runtime (apply the git patch instead)")
+
+
+def _install_overlay(item: _OverlayPlan, skip: set[str]) -> list[Installed]:
+    from vllm_patches._splice import missing_imports
+
+    module = item.module
+    namespace = module.__dict__
+    todo = [d for d in item.definitions if d.fix not in skip]
+    if not todo:
+        return []
+    for statement in missing_imports(set(namespace), [d.cst_node for d in todo], item.imports):
+        import libcst as cst
+
+        code = cst.Module(body=[statement]).code
+        try:
+            exec(compile(code, str(item.path), "exec", dont_inherit=True), namespace)  # noqa: S102
+        except ImportError as exc:
+            raise ActivationError(f"{item.overlay}: `{code.strip()}` fails on this vLLM: "
+                                  f"{exc}") from exc
+    flags = __future__.annotations.compiler_flag \
+        if namespace.get("annotations") is __future__.annotations else 0
+    installed: list[Installed] = []
+    for definition in todo:
+        code = compile(ast.Module(body=[definition.node], type_ignores=[]), str(item.path),
+                       "exec", flags=flags, dont_inherit=True)
+        name = definition.name
+        before = namespace.get(name, _MISSING)
+        exec(code, namespace)  # noqa: S102 - the overlay's own code, in the upstream module
+        new = namespace[name]
+        if definition.kind == ADD:
+            installed.append(Installed(definition.fix, module, name, new, "add"))
+        elif definition.amends_class:
+            namespace[name] = before  # the partial class must not replace upstream's
+            installed += _amend_class(before, new, definition)
+        else:
+            _rebind(before, new, name)
+            installed.append(Installed(definition.fix, module, name, new, "function"))
+    record = dict(namespace.get(INSTALLED_ATTR, {}))
+    for fix_id in dict.fromkeys(d.fix for d in todo):
+        record[fix_id] = [i for i in installed if i.fix == fix_id]
+    namespace[INSTALLED_ATTR] = record
+    return installed
+
+
+def _rebind(old: Any, new: Any, name: str) -> None:
+    """Point every loaded module's same-named binding of ``old`` (a from-import) at ``new``."""
+    for loaded in list(sys.modules.values()):
+        space = getattr(loaded, "__dict__", None)
+        if isinstance(space, dict) and space.get(name) is old:
+            space[name] = new
+
+
+def _unwrapped_functions(value: Any) -> list[types.FunctionType]:
+    found = []
+    for candidate in (value, getattr(value, "__func__", None), getattr(value, "fget", None),
+                      getattr(value, "fset", None), getattr(value, "fdel", None),
+                      getattr(value, "func", None)):
+        while candidate is not None:
+            if isinstance(candidate, types.FunctionType):
+                found.append(candidate)
+            candidate = getattr(candidate, "__wrapped__", None)
+    return found
+
+
+def _amend_class(cls: type, partial: type, definition: _Definition) -> list[Installed]:
+    """Put the members of ``partial`` (the overlay class, executed) onto the live ``cls``."""
+    # Zero-argument super() and __class__ refer to the cell of the class body that
+    # defined the function: point it at the live class.
+    for value in partial.__dict__.values():
+        for function in _unwrapped_functions(value):
+            if "__class__" in function.__code__.co_freevars:
+                index = function.__code__.co_freevars.index("__class__")
+                function.__closure__[index].cell_contents = cls  # type: ignore[index]
+    annotations = inspect.get_annotations(partial)
+    is_dataclass = dataclasses.is_dataclass(cls)
+    installed: list[Installed] = []
+    fields = []
+    for member in definition.members:
+        name = member.name
+        if is_dataclass and name in annotations:
+            fields.append(name)
+            continue
+        if name in partial.__dict__:
+            value = partial.__dict__[name]
+            setattr(cls, name, value)
+            set_name = getattr(type(value), "__set_name__", None)
+            if set_name is not None:
+                set_name(value, cls, name)
+            installed.append(Installed(definition.fix, cls, name, value, "member"))
+        if name in annotations:
+            cls.__annotations__ = {**inspect.get_annotations(cls), name: annotations[name]}
+    if fields:
+        _amend_dataclass(cls, partial, fields, annotations)
+        installed += [Installed(definition.fix, cls, name, cls.__dataclass_fields__[name], "field")
+                      for name in fields]
+    for member in definition.members:
+        if member.call_target:
+            _call_at_end(cls, member.call_target, member.name)
+            installed.append(Installed(definition.fix, cls, member.call_target, member.name,
+                                       "call"))
+    return installed
+
+
+def _call_at_end(cls: type, target: str, method: str) -> None:
+    """Wrap ``cls.<target>`` so that ``self.<method>()`` runs when it returns."""
+    original = cls.__dict__[target]
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        getattr(self, method)()
+        return result
+
+    setattr(wrapper, CALL_AT_END_ATTR, method)
+    setattr(cls, target, wrapper)
+
+
+# Methods dataclasses.dataclass generates (exec'd from "<string>") and must generate anew.
+_DATACLASS_GENERATED = ("__init__", "__repr__", "__eq__", "__lt__", "__le__", "__gt__", "__ge__",
+                        "__hash__", "__setattr__", "__delattr__")
+
+
+def _amend_dataclass(cls: type, partial: type, names: list[str],
+                     annotations: dict[str, Any]) -> None:
+    """Add or replace the fields ``names`` of dataclass ``cls`` in place.
+
+    The class object stays the same (every module that imported it, every isinstance
+    check and every existing subclass keeps working): its annotations and defaults are
+    updated, the generated methods are removed, and ``dataclasses.dataclass`` runs on
+    the class again with its original parameters.
+    """
+    params = cls.__dataclass_params__  # type: ignore[attr-defined]
+    old_fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+    own = dict(inspect.get_annotations(cls))
+    for name in own:
+        if name in old_fields and name not in names:
+            setattr(cls, name, old_fields[name])  # a Field keeps default, factory, kw_only...
+    for name in names:
+        own[name] = annotations[name]
+        if name in partial.__dict__:
+            setattr(cls, name, partial.__dict__[name])
+        elif name in cls.__dict__:
+            delattr(cls, name)
+    cls.__annotations__ = own
+    for name in _DATACLASS_GENERATED:
+        value = cls.__dict__.get(name, _MISSING)
+        generated = value is None if name == "__hash__" else callable(value) and getattr(
+            getattr(inspect.unwrap(value), "__code__", None), "co_filename", None) == "<string>"
+        if value is not _MISSING and generated:
+            delattr(cls, name)
+    match_args = "__match_args__" in cls.__dict__
+    if match_args:
+        delattr(cls, "__match_args__")
+    if "__replace__" in cls.__dict__ and \
+            cls.__dict__["__replace__"] is getattr(dataclasses, "_replace", _MISSING):
+        delattr(cls, "__replace__")
+    options = {key: getattr(params, key) for key in
+               ("init", "repr", "eq", "order", "unsafe_hash", "frozen", "kw_only")
+               if hasattr(params, key)}
+    dataclasses.dataclass(cls, match_args=match_args, **options)
+
+
+def _check_postconditions(installed: list[Installed]) -> None:
+    """Each target carries what was installed, or what a later fix put over it."""
+    final: dict[tuple[int, str, str], Installed] = {}
+    for item in installed:
+        final[(id(item.owner), item.name, item.kind)] = item
+    problems = []
+    for item in installed:
+        problem = item.problem(final[(id(item.owner), item.name, item.kind)].value)
+        if problem:
+            problems.append(f"{item.fix}: {problem}")
+    if problems:
+        raise ActivationError("postconditions failed after installing: " + "; ".join(problems))
