@@ -17,7 +17,9 @@ file needs different code in different releases, the variants sit side by side i
 the overlay, each with its range; ranges of one fix's variants of a name must not
 overlap.
 
-Inside an amended class, ``@call_at_end_of("__init__")`` on a new method appends
+Inside an amended class, the class's own docstring describes the overlay and is
+not spliced; an assignment ``__doc__ = "..."`` (a string literal) replaces the upstream class
+docstring. ``@call_at_end_of("__init__")`` on a new method appends
 ``self.<method>()`` as the last statement of that upstream method, so new state is
 set up without replacing a long upstream ``__init__``.
 

@@ -19,6 +19,9 @@ from vllm_patches._overlay import ADD, AMEND
 
 MARKERS = {AMEND, ADD}
 CALL_AT_END_OF = "call_at_end_of"
+# A partial class's own docstring describes the overlay; ``__doc__ = """..."""``
+# replaces the upstream class docstring.
+DOCSTRING_MEMBER = "__doc__"
 OWN_PACKAGE = "vllm_patches"
 
 
@@ -38,6 +41,17 @@ class OverlayDefinition:
     @property
     def name(self) -> str:
         return self.node.name.value
+
+    def partial_members(self) -> set[str | None]:
+        """Names of the members an amended class sets; {None} for anything else.
+
+        Two partial classes of one fix may hold the same release when their
+        members differ: members shared by every release live in one, the
+        members that differ per release in narrower ones beside it.
+        """
+        if self.kind != AMEND or not isinstance(self.node, cst.ClassDef):
+            return {None}
+        return {_member_name(m) for m in self.node.body.body if not _is_docstring(m)}
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,9 @@ class Overlay:
         chosen = [d for d in self.definitions if d.fix in fixes and release in d.releases]
         for i, first in enumerate(chosen):
             for second in chosen[i + 1 :]:
-                if (first.fix, first.name) == (second.fix, second.name):
+                if (first.fix, first.name) == (second.fix, second.name) and not (
+                    first.partial_members().isdisjoint(second.partial_members())
+                ):
                     raise SpliceError(
                         f"{self.path}: two variants of {first.fix} {first.name} "
                         f"hold v{release} ({first.releases} and {second.releases})"
@@ -230,6 +246,10 @@ def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> c
         member, call_target = _strip_call_at_end_of(member)
         if call_target:
             end_calls.append((call_target, name))
+        if name == DOCSTRING_MEMBER:
+            body = _replace_docstring(body, member)
+            index = {_member_name(n): i for i, n in enumerate(body) if _member_name(n)}
+            continue
         if name in index:
             position = index[name]
             replaced = body[position]
@@ -245,6 +265,17 @@ def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> c
     for target, method in end_calls:
         amended = _append_call(amended, target, method, path)
     return amended
+
+
+def _replace_docstring(body: list[cst.CSTNode], member: cst.CSTNode) -> list[cst.CSTNode]:
+    """``__doc__ = "..."`` in a partial class: that string becomes the class docstring."""
+    assert isinstance(member, cst.SimpleStatementLine)
+    assignment = member.body[0]
+    assert isinstance(assignment, (cst.Assign, cst.AnnAssign))
+    docstring = cst.SimpleStatementLine([cst.Expr(assignment.value)])
+    if body and _is_docstring(body[0]):
+        return [docstring.with_changes(leading_lines=body[0].leading_lines), *body[1:]]
+    return [docstring, *body]
 
 
 def _strip_call_at_end_of(member: cst.CSTNode) -> tuple[cst.CSTNode, str | None]:

@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 from conftest import git, snapshot
 
+from vllm_patches import _patches, _series
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED, main
+
+SERIES = _series.load()
+RELEASE = _series.Version("0.21.0")
 
 COORDINATOR = "vllm/v1/core/kv_cache_coordinator.py"
 
@@ -32,8 +36,8 @@ def test_apply_commits_the_series_and_revert_undoes_it(checkout, capsys):
     base = git(checkout, "rev-parse", "HEAD")
     code, out, _ = run(capsys, "apply", str(checkout))
     assert code == EXIT_OK, out
-    subjects = git(checkout, "log", "--format=%s", f"{base.strip()}..HEAD").splitlines()
-    assert subjects == ["[Bugfix] Two-phase KV allocation for cross-group prefix cache hits"]
+    subjects = git(checkout, "log", "--reverse", "--format=%s", f"{base.strip()}..HEAD")
+    assert subjects.splitlines() == [fix.title for fix in SERIES.applicable(RELEASE)]
     assert "def add_local_computed_blocks" in (checkout / "vllm/v1/core/single_type_kv_cache_manager.py").read_text()
     assert "applied" in run(capsys, "status", str(checkout))[1]
 
@@ -84,6 +88,20 @@ def test_conflicting_local_commit_is_reported_and_refused(checkout, capsys):
         code, _, err = run(capsys, *argv)
         assert code == EXIT_REFUSED, argv
         assert "F1 conflicts" in err
+        assert snapshot(checkout) == before
+
+
+def test_half_applied_series_is_refused(checkout, capsys):
+    first, *rest = _patches.series_patches(RELEASE)
+    assert rest, "needs a lane with two or more patches"
+    git(checkout, "am", "--quiet", "--keep-non-patch", str(first))
+    code, out, _ = run(capsys, "status", str(checkout))
+    assert code == EXIT_OK
+    assert " applied" in out and "applicable" in out
+    before = snapshot(checkout)
+    for verb in ("apply", "revert"):
+        code, _, err = run(capsys, verb, str(checkout))
+        assert code == EXIT_REFUSED and "half-applied" in err, verb
         assert snapshot(checkout) == before
 
 

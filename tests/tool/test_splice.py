@@ -156,3 +156,44 @@ def test_later_fix_in_series_order_wins(tmp_path):
 def test_mistakes_are_loud(tmp_path, body, message):
     with pytest.raises(SpliceError, match=message):
         spliced(write_overlay(tmp_path, body))
+
+
+def test_doc_assignment_replaces_the_class_docstring(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            """Describes the overlay: not spliced."""
+
+            __doc__ = """New upstream docstring."""
+        ''')
+    result = spliced(overlay)
+    assert result == UPSTREAM.replace('"""Upstream docstring."""', '"""New upstream docstring."""')
+
+
+def test_partial_classes_of_one_fix_may_share_a_release_with_disjoint_members(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            def shared(self):
+                return "every release"
+
+        @amend("F1", ">=0.21")
+        class Worker:
+            def step(self):
+                return "new releases"
+        ''')
+    result = spliced(overlay)
+    assert 'return "every release"' in result and 'return "new releases"' in result
+    clash = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            def step(self):
+                return 1
+
+        @amend("F1", ">=0.21")
+        class Worker:
+            def step(self):
+                return 2
+        ''')
+    with pytest.raises(SpliceError, match="two variants"):
+        spliced(clash)

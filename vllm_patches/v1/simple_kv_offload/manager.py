@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""F4 overlay of vllm/v1/simple_kv_offload/manager.py: the scheduler-side gate
+that keeps CPU offload off until every worker has registered its CPU KV cache."""
+
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.simple_kv_offload.metadata import (
+    SimpleCPUOffloadWorkerMetadata,
+    get_async_register_cache,
+)
+
+from vllm_patches._overlay import amend, call_at_end_of
+
+
+@amend("F4", ">=0.19.0,<0.34.0")
+class SimpleCPUOffloadScheduler:
+    @call_at_end_of("__init__")
+    def _init_register_gate(self) -> None:
+        """Close the offload gate while the workers register their CPU KV cache.
+
+        With ``async_register_cache`` every worker pins its CPU KV cache in the
+        background and reports its rank once its copy backend exists. The gate
+        opens when all ``_expected_worker_count`` workers have reported; until
+        then SimpleCPUOffloadConnector matches no CPU hit and builds no load or
+        store, so no transfer can reach a worker that cannot run it yet. A
+        worker whose registration fails never reports, and the gate stays
+        closed. Without the option the gate is open from the start.
+        """
+        self._ready_worker_ranks: set[int] = set()
+        self._workers_ready = not get_async_register_cache(self.vllm_config)
+
+    def is_ready(self) -> bool:
+        """Whether every worker can run CPU offload transfers."""
+        return self._workers_ready
+
+    def update_ready_workers(self, connector_output: KVConnectorOutput) -> None:
+        """Record the workers' ready reports; open the gate once all reported."""
+        meta = connector_output.kv_connector_worker_meta
+        if self._workers_ready or not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
+            return
+        # A set: a rank reported twice counts once.
+        self._ready_worker_ranks.update(meta.ready_ranks)
+        if len(self._ready_worker_ranks) < self._expected_worker_count:
+            return
+        self._workers_ready = True
+        logger.info(
+            "SimpleCPUOffloadScheduler: all %d workers registered their CPU KV "
+            "cache; CPU offload is enabled.",
+            self._expected_worker_count,
+        )
