@@ -2,15 +2,14 @@
 """F4 overlay of vllm/v1/simple_kv_offload/worker.py: pin the CPU KV cache in a
 background thread (async_register_cache) so register_kv_caches() returns at once.
 
-Three variants of the worker, one per upstream layout:
-- v0.19 .. v0.23: register_kv_caches() allocates, pins, creates the streams and
-  initialises the copy backend inline (pinning decided by is_pin_memory_available()).
-- v0.24 .. v0.27: the same method, pinning decided by PIN_MEMORY.
+Two variants of register_kv_caches' layout:
+- v0.19 .. v0.27: register_kv_caches() allocates, pins, creates the streams and
+  initialises the copy backend inline (v0.24+ reads the pin check from PIN_MEMORY,
+  the same value; the variant keeps is_pin_memory_available()).
 - v0.28 .. v0.33: register_kv_caches() sizes the cache (v0.33: a cross-rank
   all_reduce), creates the streams and calls _init_cpu_mode(), which allocates,
   pins and initialises the copy backend; only _init_cpu_mode() changes.
-The members the variants share are repeated in each: the splice takes one partial
-class per fix and release.
+The members every release shares sit in one partial class before the variants.
 """
 
 import threading
@@ -177,7 +176,9 @@ class SimpleCPUOffloadWorker:
             )
 
 
-@amend("F4", ">=0.19.0,<0.24.0")
+# v0.24 .. v0.27 spell the pin check `PIN_MEMORY` (= is_pin_memory_available()
+# at import); one variant serves them too, at the cost of that line in their patch.
+@amend("F4", ">=0.19.0,<0.28.0")
 class SimpleCPUOffloadWorker:
     def register_kv_caches(
         self,
@@ -270,161 +271,6 @@ class SimpleCPUOffloadWorker:
         )
 
         pin_memory = is_pin_memory_available()
-        if not pin_memory:
-            logger.warning(
-                "Pinned memory not available. CPU offload performance may be degraded."
-            )
-
-        self.gpu_kv_caches = unique_gpu_caches
-        if self._cache_registration is not None:
-            self._register_cpu_caches_async(pin_memory)
-            return
-
-        self.cpu_kv_caches = {}
-        for name, gpu_tensor in unique_gpu_caches.items():
-            cpu_shape = (self.num_cpu_blocks,) + gpu_tensor.shape[1:]
-            # Allocate non-pinned first, then pin via cudaHostRegister to
-            # bypass PyTorch's CUDACachingHostAllocator which rounds up to
-            # the next power of 2 (e.g. 100 GB -> 128 GB).
-            tensor = torch.zeros(cpu_shape, dtype=gpu_tensor.dtype, device="cpu")
-            if pin_memory:
-                pin_tensor(tensor)
-            self.cpu_kv_caches[name] = tensor
-
-        # Use lowest priority so KV cache I/O yields to compute streams.
-        low_pri, _ = torch.cuda.Stream.priority_range()
-        self.load_stream = torch.cuda.Stream(priority=low_pri)
-        self.store_stream = torch.cuda.Stream(priority=low_pri)
-
-        # Initialize copy backend with caches and streams.
-        self._backend.init(
-            self.gpu_kv_caches,
-            self.cpu_kv_caches,
-            self.device,
-            self.load_stream,
-            self.store_stream,
-        )
-
-    def _register_cpu_caches_async(self, pin_memory: bool) -> None:
-        """Allocate the CPU KV cache; pin it and init the backend off-thread."""
-        assert self._cache_registration is not None
-        assert self.gpu_kv_caches is not None and self.device is not None
-        self.cpu_kv_caches = AsyncCacheRegistration.allocate(
-            self.gpu_kv_caches, self.num_cpu_blocks
-        )
-        # Streams are created here, on the thread whose current device is the
-        # worker's; only zeroing, pinning and the backend init move off-thread.
-        low_pri, _ = torch.cuda.Stream.priority_range()
-        self.load_stream = torch.cuda.Stream(priority=low_pri)
-        self.store_stream = torch.cuda.Stream(priority=low_pri)
-        self._cache_registration.start(
-            self.device,
-            self.cpu_kv_caches,
-            pin_memory,
-            partial(
-                self._backend.init,
-                self.gpu_kv_caches,
-                self.cpu_kv_caches,
-                self.device,
-                self.load_stream,
-                self.store_stream,
-            ),
-        )
-
-
-@amend("F4", ">=0.24.0,<0.28.0")
-class SimpleCPUOffloadWorker:
-    def register_kv_caches(
-        self,
-        kv_caches: dict[str, torch.Tensor],
-    ) -> None:
-        """Register GPU KV caches and allocate pinned CPU tensors.
-        The worker will infer the underlying raw storage from the kv_caches.
-
-        With ``async_register_cache``, the CPU tensors are only allocated here;
-        a background thread pins them and initialises the copy backend (see
-        AsyncCacheRegistration).
-
-        Args:
-            kv_caches: Per-layer GPU KV caches. Values are either a single
-                tensor (attention layers) or a list of tensors (Mamba layers
-                in hybrid models). All values are included for offloading
-                by resolving to their underlying raw storage.
-        """
-        if not kv_caches:
-            logger.warning("No KV caches to offload.")
-            return
-
-        # Resolve each entry to a representative tensor for storage
-        # deduplication. For attention layers the value is already a tensor;
-        # for Mamba layers it is a list of tensors that all share the same
-        # underlying raw storage, so we take the first one.
-        def _repr_tensor(v: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-            assert isinstance(v, torch.Tensor | list)
-            return v if isinstance(v, torch.Tensor) else v[0]
-
-        any_tensor = _repr_tensor(next(iter(kv_caches.values())))
-        self.device = any_tensor.device
-
-        assert self.kv_cache_config is not None
-        num_blocks = self.kv_cache_config.num_blocks
-
-        # Deduplicate: multiple layers may share the same backing storage.
-        seen_ptrs: dict[int, tuple[str, torch.Tensor]] = {}
-        for name, value in kv_caches.items():
-            tensor = _repr_tensor(value)
-            ptr = tensor.untyped_storage().data_ptr()
-            if ptr not in seen_ptrs:
-                seen_ptrs[ptr] = (name, tensor)
-
-        # Build [num_blocks, block_bytes] int8 views from each unique
-        # storage so that stride(0) gives block_bytes for the copy op.
-        #
-        # The physical layout varies across attention backends:
-        #   FlashAttn/ROCm:  (2, num_blocks, ...) -> K/V outermost, 2 segments
-        #   FlashInfer/MLA:  (num_blocks, ...)    -> blocks outermost, 1 segment
-        # We derive page_size_bytes = storage.nbytes() // num_blocks, then
-        # classify dims: any dim whose byte-stride exceeds page_size_bytes
-        # must be an outer segment dim (e.g. the K/V dim of size 2). A less
-        # hacky way is to update the interface with the layout.
-        unique_gpu_caches: dict[str, torch.Tensor] = {}
-        for name, tensor in seen_ptrs.values():
-            storage = tensor.untyped_storage()
-            raw = torch.empty(0, dtype=torch.int8, device=self.device).set_(
-                storage, 0, (storage.nbytes(),)
-            )
-            el = tensor.element_size()
-            page_size_bytes = storage.nbytes() // num_blocks
-            outer_dims = [
-                d for d in range(tensor.ndim) if tensor.stride(d) * el > page_size_bytes
-            ]
-            if not outer_dims:
-                unique_gpu_caches[name] = raw.view(num_blocks, -1)
-            else:
-                seg_stride = tensor.stride(outer_dims[0]) * el
-                for idx in range(tensor.shape[outer_dims[0]]):
-                    offset = idx * seg_stride
-                    chunk = raw[offset : offset + seg_stride]
-                    unique_gpu_caches[f"{name}.{idx}"] = chunk.view(num_blocks, -1)
-
-        # Compute per-tensor bytes_per_block. Tensors may have different
-        # page_size_bytes (e.g., UniformTypeKVCacheSpecs with varying head_size).
-        per_tensor_bpb = [
-            t.stride(0) * t.element_size() for t in unique_gpu_caches.values()
-        ]
-        total_bytes_per_block = sum(per_tensor_bpb)
-
-        self.num_cpu_blocks = max(1, self.cpu_capacity_bytes // total_bytes_per_block)
-
-        logger.info(
-            "SimpleCPUOffloadWorker: %d unique GPU KV tensors, "
-            "allocating %d CPU blocks (%.2f GB)",
-            len(unique_gpu_caches),
-            self.num_cpu_blocks,
-            (self.num_cpu_blocks * total_bytes_per_block) / (1024**3),
-        )
-
-        pin_memory = PIN_MEMORY
         if not pin_memory:
             logger.warning(
                 "Pinned memory not available. CPU offload performance may be degraded."
