@@ -87,12 +87,14 @@ def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -
     overlays = dict.fromkeys(overlay for fix in fixes for overlay in fix.overlays)
     sources: dict[str, str] = {}
     for overlay in overlays:
+        parsed = Overlay.parse(_series.PACKAGE_DIR / overlay)
+        definitions = parsed.select(ids, release)
+        if not definitions:
+            continue  # an overlay for another layout (e.g. a file older releases had)
         upstream_path = Fix.upstream_path(overlay)
         shown = _git.run(tree, "show", f"{base}:{upstream_path}", check=False)
         if shown.returncode != 0:
             raise UserError(f"v{release} has no {upstream_path} (overlay {overlay})")
-        parsed = Overlay.parse(_series.PACKAGE_DIR / overlay)
-        definitions = parsed.select(ids, release)
         sources[upstream_path] = splice(shown.stdout, definitions, parsed.imports, parsed.path)
     return sources
 
