@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""NIXL producer: release parallel-sampling (best_of / n > 1) siblings together.
+
+Reproduces the first bug of vllm PR 43509: with ``n > 1`` the engine splits a
+prompt into siblings ``f"{i}_{parent}"``; a decoder pulls the shared prompt KV
+through one sibling only, so the producer released one sibling per parent and
+held the other ``n - 1`` until their expiry (480 s) or lease ran out, pinning
+the prefill KV cache. Also checks that nothing else is released early: ids a
+client chose, siblings still being scheduled, and everything once the
+``release_best_of_siblings`` switch is off.
+"""
+
+import pytest
+
+from vllm import envs
+
+from .test_nixl_producer_release import TTL, gloo_world, producer_factory
+
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
+
+
+@pytest.fixture(scope="module")
+def nixl_world():
+    with gloo_world():
+        yield
+
+
+@pytest.fixture
+def make_producer(nixl_world, monkeypatch):
+    yield from producer_factory(monkeypatch)
+
+
+# A parent id as vLLM makes it: the client's id plus "-" and 8 random hex digits.
+PARENT = "cmpl-fb4bc0e0"
+
+
+def siblings(n: int, parent: str = PARENT) -> list[str]:
+    """The child request ids ``ParentRequest.get_child_info`` gives ``parent``."""
+    return [f"{i}_{parent}" for i in range(n)]
+
+
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_one_sibling_pull_releases_all_registered_siblings(make_producer, consumers):
+    producer = make_producer()
+    children = siblings(8)
+    producer.register(*children)
+    # The decoder pulls the prompt KV once, through the last sibling.
+    producer.notify(children[-1], consumers, times=consumers)
+    assert producer.finished_sending() == set(children)
+    assert producer.held() == set()
+
+
+def test_sibling_registering_after_parent_pulled_is_freed_at_registration(
+    make_producer,
+):
+    producer = make_producer()
+    children = siblings(4)
+    producer.register(*children[:2])
+    producer.step(in_batch=[children[2]])  # still being scheduled
+    producer.notify(children[0])
+    assert producer.finished_sending() == set(children[:2])
+    # Finishes after the pull: released when it registers to send.
+    producer.step(to_send=[children[2]])
+    assert producer.finished_sending() == {children[2]}
+    # Scheduled and finished only after the pull.
+    producer.register(children[3])
+    assert producer.finished_sending() == {children[3]}
+    assert producer.held() == set()
+
+
+def test_sibling_still_being_scheduled_is_not_released(make_producer):
+    """Only finished siblings (registered to send) are released by a pull."""
+    producer = make_producer()
+    children = siblings(3)
+    producer.register(*children[:2])
+    producer.step(in_batch=[children[2]])
+    producer.notify(children[0])
+    assert children[2] not in producer.finished_sending()
+    assert children[2] in producer.held()
+
+
+def test_aborted_sibling_is_never_reported(make_producer):
+    producer = make_producer()
+    children = siblings(3)
+    producer.step(in_batch=children)
+    producer.step(to_send=children[:2], not_processed=[children[2]])
+    producer.notify(children[1])
+    assert producer.finished_sending() == set(children[:2])
+    producer.advance(2 * TTL)
+    assert producer.finished_sending() == set()
+    assert producer.held() == set()
+
+
+@pytest.mark.parametrize(
+    "pulled, others",
+    [
+        # A lone id of the sibling shape.
+        ("2_job-1234abcd", ["req-1"]),
+        # Client-chosen ids without vLLM's random suffix.
+        ("0_conv", ["1_conv", "2_conv"]),
+        # Not the shape f"{index}_{parent}" makes.
+        ("1_x-1234abcd", ["01_x-1234abcd", "a_x-1234abcd", "-1_x-1234abcd"]),
+        ("1_x-1234ABCD", ["2_x-1234ABCD"]),
+        ("1_1234abcd", ["2_1234abcd"]),
+        # Siblings of another parent.
+        ("0_a-1234abcd", ["1_b-1234abcd", "1_a-1234abcd-1234abcd"]),
+    ],
+)
+def test_unrelated_underscore_ids_are_untouched(make_producer, pulled, others):
+    producer = make_producer()
+    producer.register(pulled, *others)
+    producer.notify(pulled)
+    assert producer.finished_sending() == {pulled}
+    assert producer.held() == set(others)
+    producer.advance(2 * TTL)
+    assert producer.finished_sending() == set(others)
+
+
+def test_fan_out_switch_off_restores_stock_behaviour(make_producer):
+    producer = make_producer(release_best_of_siblings=False)
+    children = siblings(4)
+    producer.register(*children[:3])
+    producer.notify(children[0])
+    assert producer.finished_sending() == {children[0]}
+    producer.register(children[3])
+    assert producer.finished_sending() == set()
+    assert producer.held() == set(children[1:])
+    producer.advance(2 * TTL)
+    assert producer.finished_sending() == set(children[1:])
+
+
+def test_fan_out_is_off_by_default_without_request_id_randomization(
+    make_producer, monkeypatch
+):
+    """Client ids reach the engine unchanged: their shape proves nothing."""
+    monkeypatch.setattr(
+        envs, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", True, raising=False
+    )
+    producer = make_producer()
+    producer.register("0_job", "1_job", "0_cmpl-fb4bc0e0", "1_cmpl-fb4bc0e0")
+    producer.notify("0_job")
+    producer.notify("0_cmpl-fb4bc0e0")
+    assert producer.finished_sending() == {"0_job", "0_cmpl-fb4bc0e0"}
+    assert producer.held() == {"1_job", "1_cmpl-fb4bc0e0"}
+
+
+def test_fan_out_switched_on_without_request_id_randomization(
+    make_producer, monkeypatch
+):
+    monkeypatch.setattr(
+        envs, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", True, raising=False
+    )
+    producer = make_producer(release_best_of_siblings=True)
+    children = siblings(3, parent="job")
+    producer.register(*children)
+    producer.notify(children[1])
+    assert producer.finished_sending() == set(children)
+
+
+def test_pulled_parents_are_forgotten_oldest_first(make_producer):
+    """The parents remembered for late siblings are bounded (FIFO)."""
+    producer = make_producer(best_of_parents_limit=2)
+    parents = ["cmpl-0000000a", "cmpl-0000000b", "cmpl-0000000c"]
+    for parent in parents:
+        first, second, late = siblings(3, parent)
+        producer.register(first, second)
+        producer.step(in_batch=[late])
+        producer.notify(first)
+        assert producer.finished_sending() == {first, second}
+    late = [siblings(3, parent)[2] for parent in parents]
+    producer.step(to_send=late)
+    # The oldest parent was forgotten: its late sibling waits for its expiry.
+    assert producer.finished_sending() == set(late[1:])
+    assert producer.held() == {late[0]}
+    producer.advance(2 * TTL)
+    assert producer.finished_sending() == {late[0]}

@@ -1,0 +1,137 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""NIXL producer: pull notifications that arrive before registration.
+
+Reproduces the second bug of vllm PR 43509: a decoder's pull-complete
+notification can reach the producer before ``start_load_kv`` registered the
+request. ``_get_new_notifs`` dropped it as "unrecognized", so the request was
+held until its expiry (480 s up to v0.21) or lease ran out; with several
+decode workers per producer (heterogeneous TP) every notification can race
+the registration. The notifications are now staged and settled when the
+request registers to send; the staging is bounded.
+"""
+
+import pytest
+
+from .test_nixl_producer_release import TTL, gloo_world, producer_factory
+
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
+
+
+@pytest.fixture(scope="module")
+def nixl_world():
+    with gloo_world():
+        yield
+
+
+@pytest.fixture
+def make_producer(nixl_world, monkeypatch):
+    yield from producer_factory(monkeypatch)
+
+
+@pytest.mark.parametrize("consumers", [1, 2, 4])
+def test_notification_before_registration_settles_on_registration(
+    make_producer, consumers
+):
+    producer = make_producer()
+    producer.notify("req-a", consumers, times=consumers)
+    assert producer.finished_sending() == set()
+    producer.register("req-a", "req-b")
+    assert producer.finished_sending() == {"req-a"}
+    assert producer.held() == {"req-b"}
+
+
+@pytest.mark.parametrize("consumers, early", [(2, 1), (4, 1), (4, 3)])
+def test_early_notifications_keep_counting_after_registration(
+    make_producer, consumers, early
+):
+    producer = make_producer()
+    producer.notify("req-a", consumers, times=early)
+    assert producer.finished_sending() == set()
+    producer.register("req-a")
+    assert producer.finished_sending() == set()
+    producer.notify("req-a", consumers, times=consumers - early - 1)
+    assert producer.finished_sending() == set()
+    producer.notify("req-a", consumers)
+    assert producer.finished_sending() == {"req-a"}
+    assert producer.held() == set()
+
+
+def test_early_notification_settles_once_the_request_finishes(make_producer):
+    """Scheduled, not finished: the request is released when it finishes."""
+    producer = make_producer()
+    producer.notify("req-a", 2, times=2)
+    assert producer.finished_sending() == set()
+    producer.step(in_batch=["req-a"])
+    assert producer.finished_sending() == set()
+    producer.step(to_send=["req-a"])
+    assert producer.finished_sending() == {"req-a"}
+    assert producer.held() == set()
+
+
+def test_early_notification_does_not_release_a_request_being_scheduled(
+    make_producer,
+):
+    """Only a finished request (registered to send) may be reported released."""
+    producer = make_producer()
+    producer.notify("req-a")
+    assert producer.finished_sending() == set()
+    producer.step(in_batch=["req-a"])
+    assert producer.finished_sending() == set()
+    assert producer.held() == {"req-a"}
+
+
+def test_aborted_request_with_early_notification_is_never_reported(make_producer):
+    producer = make_producer()
+    producer.notify("req-a")
+    assert producer.finished_sending() == set()
+    producer.step(in_batch=["req-a"])
+    producer.step(not_processed=["req-a"])
+    producer.advance(2 * TTL)
+    assert producer.finished_sending() == set()
+    assert producer.held() == set()
+
+
+def test_early_notification_releases_the_best_of_siblings(make_producer):
+    producer = make_producer()
+    children = [f"{i}_cmpl-fb4bc0e0" for i in range(4)]
+    producer.notify(children[0])
+    assert producer.finished_sending() == set()
+    producer.register(*children)
+    assert producer.finished_sending() == set(children)
+    assert producer.held() == set()
+
+
+def test_staging_is_bounded_and_evicted_requests_fall_back_to_expiry(make_producer):
+    producer = make_producer(early_notifications_limit=4)
+    requests = [f"req-{i}" for i in range(6)]
+    for req_id in requests:
+        producer.notify(req_id)
+    assert producer.finished_sending() == set()
+    producer.register(*requests)
+    # The two oldest notifications were dropped to stay within the limit.
+    assert producer.finished_sending() == set(requests[2:])
+    assert producer.held() == set(requests[:2])
+    producer.advance(2 * TTL)
+    assert producer.finished_sending() == set(requests[:2])
+    assert producer.held() == set()
+
+
+def test_heartbeats_keep_working_next_to_staged_notifications(make_producer):
+    """Leases still extend; a heartbeat naming a staged request changes nothing."""
+    producer = make_producer()
+    if not producer.has_heartbeats:
+        pytest.skip("lease heartbeats exist from v0.22")
+    ttl = producer.lease_extension + 10
+    producer.notify("req-early", 2)
+    assert producer.finished_sending() == set()
+    producer.register("req-b", ttl=ttl)
+    producer.register("req-a", ttl=ttl)
+    producer.advance(ttl - 5)
+    producer.heartbeat("req-a", "req-early")
+    producer.advance(10)
+    assert producer.finished_sending() == {"req-b"}
+    assert producer.held() == {"req-a"}
+    producer.advance(producer.lease_extension)
+    assert producer.finished_sending() == {"req-a"}
+    assert producer.held() == set()

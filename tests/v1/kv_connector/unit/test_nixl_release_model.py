@@ -1,0 +1,307 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Model-based test of the NIXL producer release path (vllm PR 43509).
+
+Hypothesis interleaves what the scheduler and the decoders do to a producer
+worker: requests scheduled, finished and aborted; pull-complete notifications
+from 1, 2 or 4 decode workers, early (before registration) or late (after
+expiry); parallel-sampling siblings of which a decoder pulls one; heartbeats
+(from v0.22) and the clock passing expiry/lease deadlines. A small reference
+model says what must be released at each ``get_finished``; afterwards the run
+is drained. Checked throughout: every request is released exactly once,
+never while aborted or before its KV was pulled (or it expired, or a sibling
+was pulled), staged notifications stay within their limit, and after the
+drain nothing is left in ``_reqs_to_send``, ``_reqs_to_process`` or staging.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import strategies as st
+
+from .test_nixl_producer_release import gloo_world, producer_factory
+
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
+
+
+@pytest.fixture(scope="module")
+def nixl_world():
+    with gloo_world():
+        yield
+
+
+@pytest.fixture
+def make_producer(nixl_world, monkeypatch):
+    yield from producer_factory(monkeypatch)
+
+
+TTL = 40.0
+PARENTS = {"cmpl-0000000a": 2, "cmpl-0000000b": 3}
+# Not siblings: a client-chosen id, and a lone id of the sibling shape.
+PLAIN = ["req-0", "req-1", "req-2", "1_job", "0_cmpl-deadbeef"]
+
+
+def sibling_ids(parent: str) -> list[str]:
+    return [f"{i}_{parent}" for i in range(PARENTS[parent])]
+
+
+def parent_of(req_id: str) -> str | None:
+    index, _, parent = req_id.partition("_")
+    return parent if parent in PARENTS and index.isdecimal() else None
+
+
+ALL = PLAIN + [s for parent in PARENTS for s in sibling_ids(parent)]
+# Decoders pull the plain requests and one sibling (the last) of each parent.
+EXPOSED = PLAIN + [sibling_ids(parent)[-1] for parent in PARENTS]
+
+
+@dataclass
+class Request:
+    consumers: int = 1
+    state: str = "new"  # new -> batch -> send | aborted | released
+    expiry: float = 0.0
+    counted: int = 0  # notifications counted since registration
+    sent: int = 0  # notifications the decoders sent
+
+
+@dataclass
+class Model:
+    """What the patched producer must do (F2 + F3), independent of its code."""
+
+    limit: int
+    lease_extension: float
+    now: float
+    reqs: dict[str, Request] = field(default_factory=dict)
+    staged: OrderedDict = field(default_factory=OrderedDict)  # req -> count
+    complete: set = field(default_factory=set)  # registered, fully pulled early
+    # Request sets of recent registrations: about the last ``limit`` requests.
+    registered: list = field(default_factory=list)
+    pulled_parents: set = field(default_factory=set)
+    pending: set = field(default_factory=set)  # released by start_load_kv
+
+    def was_registered(self, req_id: str) -> bool:
+        return any(req_id in req_ids for req_ids in self.registered)
+
+    def held(self, req_id: str) -> bool:
+        return self.reqs[req_id].state in ("batch", "send")
+
+    def release(self, req_id: str, pulled: bool) -> set[str]:
+        """Release ``req_id``; a pull also releases its finished siblings."""
+        self.reqs[req_id].state = "released"
+        released = {req_id}
+        parent = parent_of(req_id)
+        if not pulled or parent is None:
+            return released
+        others = [s for s in sibling_ids(parent) if s != req_id and self.held(s)]
+        if others:
+            event("siblings fanned out")
+            self.pulled_parents.add(parent)
+            for sibling in others:
+                if self.reqs[sibling].state == "send":
+                    self.reqs[sibling].state = "released"
+                    released.add(sibling)
+        return released
+
+    def step(self, in_batch=(), to_send=(), aborted=()) -> None:
+        """One start_load_kv, in the worker's order."""
+        for req_id in in_batch:
+            if self.reqs[req_id].state == "new":
+                self.reqs[req_id].state = "batch"
+        for req_id in aborted:
+            if self.reqs[req_id].state in ("new", "batch"):
+                self.reqs[req_id].state = "aborted"
+        finished = []
+        for req_id in to_send:
+            req = self.reqs[req_id]
+            if req.state == "batch":
+                req.state = "send"
+                req.expiry = self.now + TTL
+                finished.append(req_id)
+        # Early notifications move to the counters at registration...
+        if in_batch:
+            self.registered.append(set(in_batch))
+            while sum(map(len, self.registered[1:])) >= self.limit:
+                self.registered.pop(0)
+        for req_id in aborted:
+            self.staged.pop(req_id, None)
+            self.complete.discard(req_id)
+        for req_id in in_batch:
+            early = self.staged.pop(req_id, None)
+            req = self.reqs[req_id]
+            if early is not None and self.held(req_id):
+                req.counted += early
+                if req.counted >= req.consumers:
+                    self.complete.add(req_id)
+        # ... and complete ones are released when they register to send.
+        for req_id in to_send:
+            if req_id in self.complete:
+                self.complete.discard(req_id)
+                if req_id in finished:
+                    event("early notifications settled at registration")
+                    self.pending |= self.release(req_id, pulled=True)
+        for req_id in finished:
+            parent = parent_of(req_id)
+            if self.reqs[req_id].state == "send" and parent in self.pulled_parents:
+                event("late sibling released at registration")
+                self.pending |= self.release(req_id, pulled=False)
+
+    def notify(self, req_id: str) -> set[str]:
+        req = self.reqs[req_id]
+        if req.state in ("batch", "send"):
+            req.counted += 1
+            if req.counted == req.consumers:
+                return self.release(req_id, pulled=True)
+        elif not self.was_registered(req_id):
+            # Not held and not remembered as registered (always true for a new
+            # request; with a small limit also for one registered long ago).
+            if req_id not in self.staged and len(self.staged) >= self.limit:
+                event("staged notifications evicted")
+                self.staged.popitem(last=False)
+            self.staged[req_id] = self.staged.get(req_id, 0) + 1
+        return set()
+
+    def heartbeat(self, req_id: str) -> None:
+        req = self.reqs[req_id]
+        if req.state == "send":
+            event("lease extended")
+            req.expiry = max(req.expiry, self.now + self.lease_extension)
+
+
+_schedule = st.tuples(st.just("schedule"), st.sampled_from(PLAIN + list(PARENTS)))
+_finish = st.tuples(st.just("finish"), st.sampled_from(ALL))
+_notify = st.tuples(st.just("notify"), st.sampled_from(EXPOSED), st.integers(1, 4))
+# A pull that races the registration: only sent while the request is new.
+_early = st.tuples(st.just("early"), st.sampled_from(EXPOSED), st.integers(1, 4))
+_heartbeat = st.tuples(
+    st.just("heartbeat"), st.lists(st.sampled_from(ALL), min_size=1, unique=True)
+)
+# Weighted by repetition: scheduling and notifications drive the interesting
+# interleavings (early notifications, siblings pulled while others run).
+ops = st.one_of(
+    _schedule,
+    _schedule,
+    _finish,
+    _finish,
+    _finish,
+    _notify,
+    _notify,
+    _early,
+    _early,
+    st.tuples(st.just("schedule_finish"), st.sampled_from(PLAIN)),
+    st.tuples(st.just("abort"), st.sampled_from(ALL)),
+    _heartbeat,
+    _heartbeat,
+    st.tuples(st.just("tick"), st.sampled_from([5.0, 30.0, 50.0])),
+)
+
+
+def run(producer, model: Model, program) -> None:
+    released: set[str] = set()
+
+    def poll(expected: set[str]) -> None:
+        got = producer.finished_sending()
+        assert not got & released, f"released twice: {got & released}"
+        expected |= model.pending
+        model.pending = set()
+        expired = got - expected
+        for req_id in expired:
+            req = model.reqs[req_id]
+            assert req.state == "send" and req.expiry <= model.now, (
+                f"{req_id} released early: {req}"
+            )
+            req.state = "released"
+            event("released at expiry")
+        assert expected <= got, f"not released: {expected - got}"
+        released.update(got)
+        early = getattr(producer.worker, "_early_notifs", None)
+        if early is not None:
+            assert len(early.staged) <= model.limit
+            staged = [(r, count) for r, (_, count) in early.staged.items()]
+            assert staged == list(model.staged.items())
+
+    def send_notifications(req_id: str, times: int) -> None:
+        req = model.reqs[req_id]
+        times = min(times, req.consumers - req.sent)
+        if times <= 0 or req.state == "aborted":
+            return
+        req.sent += times
+        producer.notify(req_id, req.consumers, times=times)
+        expected: set[str] = set()
+        for _ in range(times):
+            expected |= model.notify(req_id)
+        poll(expected)
+
+    for op in program:
+        kind = op[0]
+        # Scheduler operations apply to requests in a state that allows them:
+        # a request id is scheduled, finished and aborted at most once.
+        if kind == "schedule":
+            ids = sibling_ids(op[1]) if op[1] in PARENTS else [op[1]]
+            ids = [r for r in ids if model.reqs[r].state == "new"]
+            producer.step(in_batch=ids, ttl=TTL)
+            model.step(in_batch=ids)
+        elif kind == "finish" and model.reqs[op[1]].state == "batch":
+            producer.step(to_send=[op[1]], ttl=TTL)
+            model.step(to_send=[op[1]])
+        elif kind == "schedule_finish" and model.reqs[op[1]].state == "new":
+            producer.step(in_batch=[op[1]], to_send=[op[1]], ttl=TTL)
+            model.step(in_batch=[op[1]], to_send=[op[1]])
+        elif kind == "abort" and model.reqs[op[1]].state in ("new", "batch"):
+            producer.step(not_processed=[op[1]], ttl=TTL)
+            model.step(aborted=[op[1]])
+        elif kind == "notify" or (kind == "early" and model.reqs[op[1]].state == "new"):
+            send_notifications(op[1], op[2])
+        elif kind == "heartbeat" and producer.has_heartbeats:
+            producer.heartbeat(*op[1])
+            for req_id in op[1]:
+                model.heartbeat(req_id)
+            poll(set())
+        elif kind == "tick":
+            producer.advance(op[1])
+            model.now += op[1]
+            poll(set())
+
+    # Drain: everything left is scheduled, decoders pull what they pull, the
+    # rest finishes, then every lease runs out.
+    left = [r for r in ALL if model.reqs[r].state == "new"]
+    producer.step(in_batch=left, ttl=TTL)
+    model.step(in_batch=left)
+    for req_id in EXPOSED:
+        send_notifications(req_id, 4)
+    batch = [r for r in ALL if model.reqs[r].state == "batch"]
+    producer.step(to_send=batch, ttl=TTL)
+    model.step(to_send=batch)
+    poll(set())
+    producer.advance(10 * TTL)
+    model.now += 10 * TTL
+    poll(set())
+
+    aborted = {r for r in ALL if model.reqs[r].state == "aborted"}
+    assert released == set(ALL) - aborted
+    assert producer.held() == set()
+    early = getattr(producer.worker, "_early_notifs", None)
+    if early is not None and model.limit >= len(ALL):
+        assert not early.staged
+
+
+@pytest.mark.parametrize("limit", [8192, 2])
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate, Phase.shrink],
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    consumers=st.fixed_dictionaries({r: st.sampled_from([1, 2, 4]) for r in EXPOSED}),
+    program=st.lists(ops, max_size=40),
+)
+def test_release_model(make_producer, limit, consumers, program):
+    producer = make_producer(early_notifications_limit=limit)
+    lease_extension = producer.lease_extension if producer.has_heartbeats else 0.0
+    model = Model(limit=limit, lease_extension=lease_extension, now=producer.clock.now)
+    model.reqs = {r: Request(consumers=consumers.get(r, 1)) for r in ALL}
+    run(producer, model, program)
