@@ -1,0 +1,83 @@
+"""F3: per-step cost of the NIXL producer's release bookkeeping, patched/stock ratio.
+
+A simulated prefill producer (the real worker, fake NIXL agent) first receives
+notifications for 8192 requests that never register, which fills the patched
+worker's staging to its limit (stock drops them). Then each step registers a
+batch of 256 finished requests (``start_load_kv``) and receives the pull
+notifications of the previous batch, which ``get_finished`` /
+``get_transfer_results`` releases (``_get_new_notifs`` plus the expiry scan).
+Timed: ``start_load_kv`` + the release call, per step. Stock and patched trees
+alternate for several rounds in one run.
+
+Usage: python benchmarks/bench_f3_notif_bookkeeping.py --stock TREE --patched TREE
+       python benchmarks/bench_f3_notif_bookkeeping.py --release v0.21.0
+Goal: patched/stock <= 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _nixl_producer  # noqa: E402
+
+STAGED = 8192
+BATCH = 256
+STEPS = 400
+WARMUP = 20
+
+
+def measure(payload: dict) -> dict:
+    """Runs in a child process with one vLLM tree on sys.path."""
+    producer = _nixl_producer.producer()
+    batch, steps = payload["batch"], payload["steps"]
+    for k in range(payload["staged"]):
+        producer.notify(f"never-registered-{k}")
+    producer.finished_sending()
+    timings = []
+    previous: list[str] = []
+    for step in range(steps + WARMUP):
+        current = [f"req-{step}-{i}" for i in range(batch)]
+        for req_id in previous:
+            producer.notify(req_id)
+        started = time.perf_counter_ns()
+        producer.step(in_batch=current, to_send=current)
+        producer.finished_sending()
+        elapsed = time.perf_counter_ns() - started
+        if step >= WARMUP:
+            timings.append(elapsed)
+        previous = current
+    assert not producer.held() - set(previous), "requests left behind"
+    return {"median_ns": statistics.median(timings)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _nixl_producer.add_tree_arguments(parser)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if args.measure:
+        return _nixl_producer.child_main(measure, args.measure)
+    python, trees, release = _nixl_producer.trees_from_args(args)
+    print(f"vLLM v{release}: batch {BATCH}, {STEPS} steps x {args.rounds} rounds; "
+          "median us per step (start_load_kv + release)")
+    print(f"{'staged':>6} {'stock':>8} {'patched':>8} {'patched/stock':>13}")
+    for staged in (STAGED, 0):  # the goal's case, then staging empty (the usual one)
+        payload = {"staged": staged, "batch": BATCH, "steps": STEPS}
+        results = _nixl_producer.run_children(__file__, python, trees, release, payload,
+                                              args.rounds)
+        medians = {name: statistics.median(r["median_ns"] for r in rows)
+                   for name, rows in results.items()}
+        ratio = medians["patched"] / medians["stock"]
+        print(f"{staged:>6} {medians['stock'] / 1000:>8.1f} {medians['patched'] / 1000:>8.1f} "
+              f"{ratio:>13.3f}")
+    print("goal: patched/stock <= 1.10 with 8192 staged")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
