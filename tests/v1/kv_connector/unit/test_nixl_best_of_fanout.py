@@ -105,6 +105,10 @@ def test_aborted_sibling_is_never_reported(make_producer):
         ("1_1234abcd", ["2_1234abcd"]),
         # Siblings of another parent.
         ("0_a-1234abcd", ["1_b-1234abcd", "1_a-1234abcd-1234abcd"]),
+        # Client-chosen indexes: beyond the registered requests, too long for
+        # a cheap int().
+        ("999999_a-1234abcd", ["0_a-1234abcd"]),
+        pytest.param("9" * 5000 + "_a-1234abcd", ["0_a-1234abcd"], id="5000-digits"),
     ],
 )
 def test_unrelated_underscore_ids_are_untouched(make_producer, pulled, others):

@@ -18,7 +18,7 @@ From v0.24 the producer state lives here and the pull-specific methods
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Container, Iterable
+from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
 
 from vllm import envs
@@ -224,9 +224,11 @@ class BestOfSiblings:
     def split(self, req_id: str) -> tuple[int, str] | None:
         """``(index, parent)`` if ``req_id`` is shaped like a sibling, else None."""
         index, sep, parent = req_id.partition("_")
+        # At most 6 digits: n < 10**6, and int() of a long client-chosen index
+        # must stay cheap (it raises beyond 4300 digits).
         if not (sep and parent and index.isascii() and index.isdecimal()):
             return None
-        if len(index) > 1 and index[0] == "0":
+        if len(index) > 6 or (len(index) > 1 and index[0] == "0"):
             return None
         if self.randomized_ids and not (
             len(parent) > 9
@@ -236,7 +238,7 @@ class BestOfSiblings:
             return None
         return int(index), parent
 
-    def pulled(self, req_id: str, registered: Container[str]) -> list[str]:
+    def pulled(self, req_id: str, registered: Collection[str]) -> list[str]:
         """A decoder pulled ``req_id``: its siblings among ``registered``.
 
         Siblings are looked up by index, up to one past the highest index seen,
@@ -247,6 +249,11 @@ class BestOfSiblings:
         if split is None:
             return []
         index, parent = split
+        # Siblings 0..n-1 register together: an index beyond the number of
+        # registered requests belongs to no live group (and must not make a
+        # client-chosen id cost a long search).
+        if index > len(registered):
+            return []
         siblings = []
         last, i = index, 0
         while i <= last + 1:

@@ -12,9 +12,9 @@ NIXL producer (prefill) release path, vllm PR 43509:
   (``EarlyPullNotifications``).
 
 Only the pull-specific methods live here; state and helpers are added to
-``NixlBaseConnectorWorker`` (``nixl/base_worker.py``). One partial class
-per range in which upstream's ``start_load_kv``/``_get_new_notifs`` text
-is the same.
+``NixlBaseConnectorWorker`` (``nixl/base_worker.py``). Each changed upstream
+method has one partial class per range in which its upstream text is the
+same.
 """
 
 from __future__ import annotations
@@ -22,9 +22,32 @@ from __future__ import annotations
 from vllm_patches._overlay import amend
 
 
-@amend("F2", ">=0.24.0,<0.26.0")
+@amend("F2", ">=0.24.0,<0.29.0")
 class NixlPullConnectorWorker:
-    """F2, the text of v0.25.1."""
+    """F2: the notification counters, v0.24 - v0.28."""
+
+    def _forget_sent_req(self, req_id: str) -> None:
+        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
+        self._reqs_to_process.discard(req_id)
+        self._reqs_to_send.pop(req_id, None)
+        self.consumer_notification_counts_by_req.pop(req_id, None)
+
+
+@amend("F2", ">=0.29.0,<0.34.0")
+class NixlPullConnectorWorker:
+    """F2: the notification counters, from v0.29 (expected count in the notification)."""
+
+    def _forget_sent_req(self, req_id: str) -> None:
+        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
+        self._reqs_to_process.discard(req_id)
+        self._reqs_to_send.pop(req_id, None)
+        self.consumer_notification_counts_by_req.pop(req_id, None)
+        self.expected_consumer_notifications_by_req.pop(req_id, None)
+
+
+@amend("F2", ">=0.24.0,<0.29.0")
+class NixlPullConnectorWorker:
+    """F2: _get_new_notifs, the text of v0.28.0."""
 
     def _get_new_notifs(self) -> set[str]:
         """
@@ -87,11 +110,201 @@ class NixlPullConnectorWorker:
             notified_req_ids |= self._pop_released_at_registration()
         return notified_req_ids
 
-    def _forget_sent_req(self, req_id: str) -> None:
-        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
+
+@amend("F2", ">=0.29.0,<0.31.0")
+class NixlPullConnectorWorker:
+    """F2: _get_new_notifs, the text of v0.30.0."""
+
+    def _get_new_notifs(self) -> set[str]:
+        """
+        Get req_ids which got a remote xfer message. When multiple consumers
+        are reading from the same producer (heterogeneous TP or DCP
+        scenario), wait for all consumers to be done pulling.
+
+        Also handles heartbeat notifications ("HB:req1,req2,...") by
+        extending the lease on the referenced requests.
+        """
+        assert self.transfer_topo is not None
+        notified_req_ids: set[str] = set()
+        for notifs in self.nixl_wrapper.get_new_notifs().values():
+            for notif in notifs:
+                msg = notif.decode("utf-8")
+
+                # Handle heartbeat messages from D-side.
+                if msg.startswith("HB:"):
+                    self._handle_heartbeat(msg[3:])
+                    continue
+
+                req_id, expected_consumers = msg.rsplit(":", 1)
+                if (
+                    req_id not in self._reqs_to_send
+                    and req_id not in self._reqs_to_process
+                ):
+                    logger.error(
+                        "Potentially invalid KV blocks for "
+                        "unrecognized request %s were retrieved by "
+                        "a decode worker. They may have expired.",
+                        req_id,
+                    )
+                    continue
+
+                # Every reader of this req_id reports the same count (it's
+                # derived from aggregate topology, not the specific rank),
+                # so repeated notifications never disagree on it.
+                self.expected_consumer_notifications_by_req[req_id] = int(
+                    expected_consumers
+                )
+
+                self.consumer_notification_counts_by_req[req_id] += 1
+                # Wait all consumers (D) to be done reading before freeing.
+                if (
+                    self.consumer_notification_counts_by_req[req_id]
+                    == self.expected_consumer_notifications_by_req[req_id]
+                ):
+                    notified_req_ids.add(req_id)
+                    del self.consumer_notification_counts_by_req[req_id]
+                    del self.expected_consumer_notifications_by_req[req_id]
+                    self._reqs_to_process.remove(req_id)
+                    self._reqs_to_send.pop(req_id, None)
+                    # Its parallel-sampling siblings share the KV just pulled.
+                    if "_" in req_id:
+                        notified_req_ids |= self._release_best_of_siblings(req_id)
+        # Requests start_load_kv released when they registered.
+        if self._released_at_registration:
+            notified_req_ids |= self._pop_released_at_registration()
+        return notified_req_ids
+
+
+@amend("F2", ">=0.31.0,<0.32.0")
+class NixlPullConnectorWorker:
+    """F2: _get_new_notifs, the text of v0.31.0."""
+
+    def _get_new_notifs(self) -> set[str]:
+        """Get req_ids which got a remote xfer message. When multiple consumers
+        are reading from the same producer (heterogeneous TP or DCP
+        scenario), wait for all consumers to be done pulling.
+
+        Also handles heartbeat notifications ("HB:req1,req2,...") by
+        extending the lease on the referenced requests.
+        """
+        assert self.transfer_topo is not None
+        notified_req_ids: set[str] = set()
+        for notifs in self.nixl_wrapper.get_new_notifs().values():
+            for notif in notifs:
+                msg = notif.decode("utf-8")
+
+                # Handle heartbeat messages from D-side.
+                if msg.startswith("HB:"):
+                    self._handle_heartbeat(msg[3:])
+                    continue
+
+                req_id, expected_consumers = msg.rsplit(":", 1)
+                if (
+                    req_id not in self._reqs_to_send
+                    and req_id not in self._reqs_to_process
+                ):
+                    logger.error(
+                        "Potentially invalid KV blocks for "
+                        "unrecognized request %s were retrieved by "
+                        "a decode worker. They may have expired.",
+                        req_id,
+                    )
+                    continue
+
+                # Every reader of this req_id reports the same count (it's
+                # derived from aggregate topology, not the specific rank),
+                # so repeated notifications never disagree on it.
+                self.expected_consumer_notifications_by_req[req_id] = int(
+                    expected_consumers
+                )
+
+                self.consumer_notification_counts_by_req[req_id] += 1
+                # Wait all consumers (D) to be done reading before freeing.
+                if (
+                    self.consumer_notification_counts_by_req[req_id]
+                    == self.expected_consumer_notifications_by_req[req_id]
+                ):
+                    notified_req_ids.add(req_id)
+                    del self.consumer_notification_counts_by_req[req_id]
+                    del self.expected_consumer_notifications_by_req[req_id]
+                    self._reqs_to_process.remove(req_id)
+                    self._reqs_to_send.pop(req_id, None)
+                    # Its parallel-sampling siblings share the KV just pulled.
+                    if "_" in req_id:
+                        notified_req_ids |= self._release_best_of_siblings(req_id)
+        # Requests start_load_kv released when they registered.
+        if self._released_at_registration:
+            notified_req_ids |= self._pop_released_at_registration()
+        return notified_req_ids
+
+
+@amend("F2", ">=0.32.0,<0.34.0")
+class NixlPullConnectorWorker:
+    """F2: _get_new_notifs, the text of v0.33.0."""
+
+    def _get_new_notifs(self) -> set[str]:
+        """Get req_ids which got a remote xfer message. When multiple consumers
+        are reading from the same producer (heterogeneous TP or DCP
+        scenario), wait for all consumers to be done pulling.
+
+        Also handles heartbeat notifications ("HB:req1,req2,...") by
+        extending the lease on the referenced requests.
+        """
+        assert self.transfer_topo is not None
+        notified_req_ids: set[str] = set()
+        for notifs in self.nixl_wrapper.get_new_notifs().values():
+            for notif in notifs:
+                msg = notif.decode("utf-8")
+
+                # Handle heartbeat messages from D-side.
+                if msg.startswith("HB:"):
+                    self._handle_heartbeat(msg[3:])
+                    continue
+
+                req_id, expected_consumers = msg.rsplit(":", 1)
+                if (
+                    req_id not in self._reqs_to_send
+                    and req_id not in self._reqs_to_process
+                ):
+                    self.xfer_stats.record_notification_after_expiry()
+                    logger.error(
+                        "Potentially invalid KV blocks for "
+                        "unrecognized request %s were retrieved by "
+                        "a decode worker. They may have expired.",
+                        req_id,
+                    )
+                    continue
+
+                # Every reader of this req_id reports the same count (it's
+                # derived from aggregate topology, not the specific rank),
+                # so repeated notifications never disagree on it.
+                self.expected_consumer_notifications_by_req[req_id] = int(
+                    expected_consumers
+                )
+
+                self.consumer_notification_counts_by_req[req_id] += 1
+                # Wait all consumers (D) to be done reading before freeing.
+                if (
+                    self.consumer_notification_counts_by_req[req_id]
+                    == self.expected_consumer_notifications_by_req[req_id]
+                ):
+                    notified_req_ids.add(req_id)
+                    del self.consumer_notification_counts_by_req[req_id]
+                    del self.expected_consumer_notifications_by_req[req_id]
+                    self._reqs_to_process.remove(req_id)
+                    self._reqs_to_send.pop(req_id, None)
+                    # Its parallel-sampling siblings share the KV just pulled.
+                    if "_" in req_id:
+                        notified_req_ids |= self._release_best_of_siblings(req_id)
+        # Requests start_load_kv released when they registered.
+        if self._released_at_registration:
+            notified_req_ids |= self._pop_released_at_registration()
+        return notified_req_ids
+
+
+@amend("F2", ">=0.24.0,<0.26.0")
+class NixlPullConnectorWorker:
+    """F2: start_load_kv, the text of v0.25.1."""
 
     def start_load_kv(self, metadata: NixlConnectorMetadata):
         """
@@ -160,74 +373,7 @@ class NixlPullConnectorWorker:
 
 @amend("F2", ">=0.26.0,<0.27.0")
 class NixlPullConnectorWorker:
-    """F2, the text of v0.26.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """
-        Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP scenario), wait
-        for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, tp_size = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # NOTE: `tp_ratio` is the opposite when swapping local<>remote
-                n_consumers = int(tp_size)
-                tp_ratio = self.transfer_topo.tp_ratio(n_consumers)
-
-                # Number of reads *per producer* to wait for.
-                # When remote D TP > local P TP we expect `tp_ratio` reads.
-                consumers_per_producer = (
-                    -tp_ratio if n_consumers > self.world_size else 1
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == consumers_per_producer
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
-
-    def _forget_sent_req(self, req_id: str) -> None:
-        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
+    """F2: start_load_kv, the text of v0.26.0."""
 
     def start_load_kv(self, metadata: NixlConnectorMetadata):
         """
@@ -296,74 +442,7 @@ class NixlPullConnectorWorker:
 
 @amend("F2", ">=0.27.0,<0.29.0")
 class NixlPullConnectorWorker:
-    """F2, the text of v0.28.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """
-        Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP scenario), wait
-        for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, tp_size = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # NOTE: `tp_ratio` is the opposite when swapping local<>remote
-                n_consumers = int(tp_size)
-                tp_ratio = self.transfer_topo.tp_ratio(n_consumers)
-
-                # Number of reads *per producer* to wait for.
-                # When remote D TP > local P TP we expect `tp_ratio` reads.
-                consumers_per_producer = (
-                    -tp_ratio if n_consumers > self.world_size else 1
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == consumers_per_producer
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
-
-    def _forget_sent_req(self, req_id: str) -> None:
-        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
+    """F2: start_load_kv, the text of v0.28.0."""
 
     def start_load_kv(self, metadata: NixlConnectorMetadata):
         """
@@ -444,73 +523,7 @@ class NixlPullConnectorWorker:
 
 @amend("F2", ">=0.29.0,<0.30.0")
 class NixlPullConnectorWorker:
-    """F2, the text of v0.29.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """
-        Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP or DCP
-        scenario), wait for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, expected_consumers = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # Every reader of this req_id reports the same count (it's
-                # derived from aggregate topology, not the specific rank),
-                # so repeated notifications never disagree on it.
-                self.expected_consumer_notifications_by_req[req_id] = int(
-                    expected_consumers
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == self.expected_consumer_notifications_by_req[req_id]
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    del self.expected_consumer_notifications_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
-
-    def _forget_sent_req(self, req_id: str) -> None:
-        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
-        self.expected_consumer_notifications_by_req.pop(req_id, None)
+    """F2: start_load_kv, the text of v0.29.0."""
 
     def start_load_kv(self, metadata: NixlConnectorMetadata):
         """
@@ -594,73 +607,7 @@ class NixlPullConnectorWorker:
 
 @amend("F2", ">=0.30.0,<0.31.0")
 class NixlPullConnectorWorker:
-    """F2, the text of v0.30.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """
-        Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP or DCP
-        scenario), wait for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, expected_consumers = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # Every reader of this req_id reports the same count (it's
-                # derived from aggregate topology, not the specific rank),
-                # so repeated notifications never disagree on it.
-                self.expected_consumer_notifications_by_req[req_id] = int(
-                    expected_consumers
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == self.expected_consumer_notifications_by_req[req_id]
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    del self.expected_consumer_notifications_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
-
-    def _forget_sent_req(self, req_id: str) -> None:
-        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
-        self.expected_consumer_notifications_by_req.pop(req_id, None)
+    """F2: start_load_kv, the text of v0.30.0."""
 
     def start_load_kv(self, metadata: NixlConnectorMetadata):
         """
@@ -755,72 +702,7 @@ class NixlPullConnectorWorker:
 
 @amend("F2", ">=0.31.0,<0.32.0")
 class NixlPullConnectorWorker:
-    """F2, the text of v0.31.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP or DCP
-        scenario), wait for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, expected_consumers = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # Every reader of this req_id reports the same count (it's
-                # derived from aggregate topology, not the specific rank),
-                # so repeated notifications never disagree on it.
-                self.expected_consumer_notifications_by_req[req_id] = int(
-                    expected_consumers
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == self.expected_consumer_notifications_by_req[req_id]
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    del self.expected_consumer_notifications_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
-
-    def _forget_sent_req(self, req_id: str) -> None:
-        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
-        self.expected_consumer_notifications_by_req.pop(req_id, None)
+    """F2: start_load_kv, the text of v0.31.0."""
 
     def start_load_kv(self, metadata: NixlConnectorMetadata):
         """Start loading by triggering non-blocking nixl_xfer.
@@ -921,73 +803,7 @@ class NixlPullConnectorWorker:
 
 @amend("F2", ">=0.32.0,<0.34.0")
 class NixlPullConnectorWorker:
-    """F2, the text of v0.33.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP or DCP
-        scenario), wait for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, expected_consumers = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    self.xfer_stats.record_notification_after_expiry()
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # Every reader of this req_id reports the same count (it's
-                # derived from aggregate topology, not the specific rank),
-                # so repeated notifications never disagree on it.
-                self.expected_consumer_notifications_by_req[req_id] = int(
-                    expected_consumers
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == self.expected_consumer_notifications_by_req[req_id]
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    del self.expected_consumer_notifications_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
-
-    def _forget_sent_req(self, req_id: str) -> None:
-        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
-        self.expected_consumer_notifications_by_req.pop(req_id, None)
+    """F2: start_load_kv, the text of v0.33.0."""
 
     def start_load_kv(self, metadata: NixlConnectorMetadata):
         """Start loading by triggering non-blocking nixl_xfer.
@@ -1073,7 +889,7 @@ class NixlPullConnectorWorker:
 
 @amend("F3", ">=0.24.0,<0.29.0")
 class NixlPullConnectorWorker:
-    """F3, the text of v0.28.0."""
+    """F3: _get_new_notifs, the text of v0.28.0."""
 
     def _get_new_notifs(self) -> set[str]:
         """
@@ -1144,7 +960,7 @@ class NixlPullConnectorWorker:
 
 @amend("F3", ">=0.29.0,<0.31.0")
 class NixlPullConnectorWorker:
-    """F3, the text of v0.30.0."""
+    """F3: _get_new_notifs, the text of v0.30.0."""
 
     def _get_new_notifs(self) -> set[str]:
         """
@@ -1213,7 +1029,7 @@ class NixlPullConnectorWorker:
 
 @amend("F3", ">=0.31.0,<0.32.0")
 class NixlPullConnectorWorker:
-    """F3, the text of v0.31.0."""
+    """F3: _get_new_notifs, the text of v0.31.0."""
 
     def _get_new_notifs(self) -> set[str]:
         """Get req_ids which got a remote xfer message. When multiple consumers
@@ -1281,7 +1097,7 @@ class NixlPullConnectorWorker:
 
 @amend("F3", ">=0.32.0,<0.34.0")
 class NixlPullConnectorWorker:
-    """F3, the text of v0.33.0."""
+    """F3: _get_new_notifs, the text of v0.33.0."""
 
     def _get_new_notifs(self) -> set[str]:
         """Get req_ids which got a remote xfer message. When multiple consumers

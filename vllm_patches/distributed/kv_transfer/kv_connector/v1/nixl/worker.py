@@ -12,22 +12,24 @@ NIXL producer (prefill) release path, vllm PR 43509:
   (``EarlyPullNotifications``).
 
 v0.20 - v0.23; from v0.24 the pull worker lives in ``nixl/pull_worker.py``
-and its shared state in ``nixl/base_worker.py``.
+and its shared state in ``nixl/base_worker.py``. Members shared by every
+release sit in one partial class per fix, the upstream methods they change
+in one partial class per range of identical upstream text.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Container, Iterable
+from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
 
 from vllm import envs
 from vllm_patches._overlay import add, amend, call_at_end_of
 
 
-@amend("F2", ">=0.20.0,<0.22.0")
+@amend("F2", ">=0.20.0,<0.24.0")
 class NixlConnectorWorker:
-    """F2, v0.20 - v0.21 (expiry timeout)."""
+    """F2: state and release helpers, v0.20 - v0.23."""
 
     # Requests start_load_kv released, reported by the next _get_new_notifs. The
     # class-level empty default serves workers built without __init__ (tests).
@@ -105,6 +107,11 @@ class NixlConnectorWorker:
         self._reqs_to_process.discard(req_id)
         self._reqs_to_send.pop(req_id, None)
         self.consumer_notification_counts_by_req.pop(req_id, None)
+
+
+@amend("F2", ">=0.20.0,<0.22.0")
+class NixlConnectorWorker:
+    """F2, v0.20 - v0.21 (expiry timeout)."""
 
     def _get_new_notifs(self) -> set[str]:
         """
@@ -221,83 +228,6 @@ class NixlConnectorWorker:
 @amend("F2", ">=0.22.0,<0.24.0")
 class NixlConnectorWorker:
     """F2, v0.22 - v0.23 (lease, heartbeats)."""
-
-    # Requests start_load_kv released, reported by the next _get_new_notifs. The
-    # class-level empty default serves workers built without __init__ (tests).
-    _released_at_registration: set[ReqId] | frozenset[ReqId] = frozenset()
-
-    @call_at_end_of("__init__")
-    def _init_best_of_siblings(self) -> None:
-        """Set up the release of parallel-sampling siblings (see BestOfSiblings)."""
-        # Client-chosen ids reach the engine unchanged without randomization;
-        # the shape of an id then proves nothing, so fan-out defaults to off.
-        randomized_ids = not envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
-        config = self.kv_transfer_config
-        self._best_of_siblings = BestOfSiblings(
-            enabled=bool(
-                config.get_from_extra_config("release_best_of_siblings", randomized_ids)
-            ),
-            limit=int(config.get_from_extra_config("best_of_parents_limit", 8192)),
-            randomized_ids=randomized_ids,
-        )
-        self._released_at_registration = set()
-
-    def _release_best_of_siblings(self, req_id: ReqId) -> set[ReqId]:
-        """Release the siblings of ``req_id``, whose shared KV a decoder pulled.
-
-        Returns the siblings released now: those registered to send. The others
-        are released when they register to send.
-        """
-        siblings = self._best_of_siblings.pulled(req_id, self._reqs_to_process)
-        released = {sibling for sibling in siblings if sibling in self._reqs_to_send}
-        for sibling in released:
-            self._forget_sent_req(sibling)
-        if released:
-            logger.debug(
-                "Releasing KV blocks of %d parallel-sampling sibling(s) of "
-                "request %s, which a decode worker pulled.",
-                len(released),
-                req_id,
-            )
-        return released
-
-    def _release_late_best_of_siblings(self, metadata: NixlConnectorMetadata) -> None:
-        """Release siblings that registered to send after their parent was pulled."""
-        if not self._best_of_siblings.pulled_parents:
-            return
-        released = {
-            req_id
-            for req_id in self._best_of_siblings.late(metadata.reqs_to_send)
-            if req_id in self._reqs_to_send
-        }
-        for req_id in released:
-            self._forget_sent_req(req_id)
-        self._released_at_registration |= released
-
-    def _pop_released_at_registration(self) -> set[ReqId] | frozenset[ReqId]:
-        released = self._released_at_registration
-        if released:
-            self._released_at_registration = set()
-        return released
-
-    def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
-        """Release what the requests registered by ``start_load_kv`` made releasable.
-
-        Runs at the end of ``start_load_kv``; costs O(requests in ``metadata``).
-        """
-        if not (
-            metadata.reqs_in_batch
-            or metadata.reqs_to_send
-            or metadata.reqs_not_processed
-        ):
-            return
-        self._release_late_best_of_siblings(metadata)
-
-    def _forget_sent_req(self, req_id: ReqId) -> None:
-        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
 
     def _get_new_notifs(self) -> set[str]:
         """
@@ -425,9 +355,9 @@ class NixlConnectorWorker:
         self._settle_producer_registrations(metadata)
 
 
-@amend("F3", ">=0.20.0,<0.22.0")
+@amend("F3", ">=0.20.0,<0.24.0")
 class NixlConnectorWorker:
-    """F3, v0.20 - v0.21 (expiry timeout)."""
+    """F3: staging helpers, v0.20 - v0.23."""
 
     @call_at_end_of("__init__")
     def _init_early_pull_notifications(self) -> None:
@@ -486,6 +416,25 @@ class NixlConnectorWorker:
                 self._forget_sent_req(req_id)
                 siblings = self._release_best_of_siblings(req_id)
                 self._released_at_registration |= {req_id, *siblings}
+
+    def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
+        """Release what the requests registered by ``start_load_kv`` made releasable.
+
+        Runs at the end of ``start_load_kv``; costs O(requests in ``metadata``).
+        """
+        if not (
+            metadata.reqs_in_batch
+            or metadata.reqs_to_send
+            or metadata.reqs_not_processed
+        ):
+            return
+        self._settle_early_notifs(metadata)
+        self._release_late_best_of_siblings(metadata)
+
+
+@amend("F3", ">=0.20.0,<0.22.0")
+class NixlConnectorWorker:
+    """F3, v0.20 - v0.21 (expiry timeout)."""
 
     def _get_new_notifs(self) -> set[str]:
         """
@@ -543,82 +492,10 @@ class NixlConnectorWorker:
             notified_req_ids |= self._pop_released_at_registration()
         return notified_req_ids
 
-    def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
-        """Release what the requests registered by ``start_load_kv`` made releasable.
-
-        Runs at the end of ``start_load_kv``; costs O(requests in ``metadata``).
-        """
-        if not (
-            metadata.reqs_in_batch
-            or metadata.reqs_to_send
-            or metadata.reqs_not_processed
-        ):
-            return
-        self._settle_early_notifs(metadata)
-        self._release_late_best_of_siblings(metadata)
-
 
 @amend("F3", ">=0.22.0,<0.24.0")
 class NixlConnectorWorker:
     """F3, v0.22 - v0.23 (lease, heartbeats)."""
-
-    @call_at_end_of("__init__")
-    def _init_early_pull_notifications(self) -> None:
-        """Set up the staging of notifications that race registration."""
-        self._early_notifs = EarlyPullNotifications(
-            limit=int(
-                self.kv_transfer_config.get_from_extra_config(
-                    "early_notifications_limit", 8192
-                )
-            )
-        )
-
-    def _stage_early_notif(self, req_id: ReqId, expected: int) -> None:
-        """Count a notification for a request that has not registered yet."""
-        dropped = self._early_notifs.stage(req_id, expected)
-        if dropped is not None:
-            logger.warning(
-                "Dropping early notification(s) for request %s, which has not "
-                "registered with this producer; if it does, its KV blocks are "
-                "released when they expire.",
-                dropped,
-            )
-
-    def _settle_early_notifs(self, metadata: NixlConnectorMetadata) -> None:
-        """Apply staged notifications to the requests registered in this step.
-
-        Invariant: no registered request has staged notifications, so no
-        release path (threshold, fan-out, expiry, lease) needs to look at them.
-        A registering request's staged count moves to
-        ``consumer_notification_counts_by_req``, where later notifications keep
-        counting; one whose count is already complete is released as soon as
-        it registers to send (finished: only then may the scheduler free its
-        blocks), with its parallel-sampling siblings. Entries of aborted
-        requests are dropped. Costs O(requests in ``metadata``), never a scan
-        of the staged requests.
-        """
-        early = self._early_notifs
-        early.registered(metadata.reqs_in_batch)
-        if early.staged:
-            for req_id in metadata.reqs_not_processed:
-                early.staged.pop(req_id, None)
-            # dict.keys: a plain view intersects faster than OrderedDict's.
-            for req_id in dict.keys(early.staged) & metadata.reqs_in_batch:
-                expected, count = early.staged.pop(req_id)
-                if req_id in self._reqs_to_process:
-                    self.consumer_notification_counts_by_req[req_id] += count
-                    if count >= expected:
-                        early.complete[req_id] = expected
-        if not early.complete:
-            return
-        for req_id in metadata.reqs_not_processed:
-            early.complete.pop(req_id, None)
-        for req_id in early.complete.keys() & metadata.reqs_to_send.keys():
-            del early.complete[req_id]
-            if req_id in self._reqs_to_send:
-                self._forget_sent_req(req_id)
-                siblings = self._release_best_of_siblings(req_id)
-                self._released_at_registration |= {req_id, *siblings}
 
     def _get_new_notifs(self) -> set[str]:
         """
@@ -686,20 +563,6 @@ class NixlConnectorWorker:
             notified_req_ids |= self._pop_released_at_registration()
         return notified_req_ids
 
-    def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
-        """Release what the requests registered by ``start_load_kv`` made releasable.
-
-        Runs at the end of ``start_load_kv``; costs O(requests in ``metadata``).
-        """
-        if not (
-            metadata.reqs_in_batch
-            or metadata.reqs_to_send
-            or metadata.reqs_not_processed
-        ):
-            return
-        self._settle_early_notifs(metadata)
-        self._release_late_best_of_siblings(metadata)
-
 
 @add("F2", ">=0.20.0,<0.24.0")
 class BestOfSiblings:
@@ -742,9 +605,11 @@ class BestOfSiblings:
     def split(self, req_id: str) -> tuple[int, str] | None:
         """``(index, parent)`` if ``req_id`` is shaped like a sibling, else None."""
         index, sep, parent = req_id.partition("_")
+        # At most 6 digits: n < 10**6, and int() of a long client-chosen index
+        # must stay cheap (it raises beyond 4300 digits).
         if not (sep and parent and index.isascii() and index.isdecimal()):
             return None
-        if len(index) > 1 and index[0] == "0":
+        if len(index) > 6 or (len(index) > 1 and index[0] == "0"):
             return None
         if self.randomized_ids and not (
             len(parent) > 9
@@ -754,7 +619,7 @@ class BestOfSiblings:
             return None
         return int(index), parent
 
-    def pulled(self, req_id: str, registered: Container[str]) -> list[str]:
+    def pulled(self, req_id: str, registered: Collection[str]) -> list[str]:
         """A decoder pulled ``req_id``: its siblings among ``registered``.
 
         Siblings are looked up by index, up to one past the highest index seen,
@@ -765,6 +630,11 @@ class BestOfSiblings:
         if split is None:
             return []
         index, parent = split
+        # Siblings 0..n-1 register together: an index beyond the number of
+        # registered requests belongs to no live group (and must not make a
+        # client-chosen id cost a long search).
+        if index > len(registered):
+            return []
         siblings = []
         last, i = index, 0
         while i <= last + 1:
