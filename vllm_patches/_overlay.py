@@ -11,6 +11,11 @@ An overlay module mirrors one upstream module (``vllm_patches/v1/core/x.py`` cha
     Replaces the upstream module-level function of the same name, which must exist.
 ``@add(fix, releases)`` on a class or function
     A new module-level definition; upstream must not have one of that name.
+``@add(fix, releases, into="../other.py")``
+    The same, added to the upstream module of another overlay (a path relative to
+    this file): one definition that different releases need in different files
+    (an upstream module that was split) is written once. A definition may carry
+    several ``@add`` markers, one per file and range.
 
 ``releases`` is a PEP 440 specifier set (``">=0.18.0,<0.24.0"``). Where one upstream
 file needs different code in different releases, the variants sit side by side in
@@ -19,9 +24,22 @@ overlap.
 
 Inside an amended class, the class's own docstring describes the overlay and is
 not spliced; an assignment ``__doc__ = "..."`` (a string literal) replaces the upstream class
-docstring. ``@call_at_end_of("__init__")`` on a new method appends
-``self.<method>()`` as the last statement of that upstream method, so new state is
-set up without replacing a long upstream ``__init__``.
+docstring.
+
+Two markers on a new method of an amended class hook it into an upstream method of
+that class, so a fix adds a step without replacing (and copying) a long method:
+
+``@call_at_end_of("m")``
+    ``self.<hook>(a, b)`` runs whenever upstream ``m`` returns normally: the splice
+    puts the call before each bare ``return`` of ``m`` and after its last statement.
+    The hook's parameters after ``self`` name parameters of ``m``, which pass through
+    (``m`` must not rebind them); ``m`` must not return a value.
+``@filter_result_of("m")``
+    Every ``return value`` of upstream ``m`` becomes ``return self.<hook>(value)``:
+    the hook takes what ``m`` computed and returns what ``m`` returns. ``m`` must end
+    in a ``return value`` and have no bare ``return``.
+
+A later fix that replaces ``m`` whole keeps the hook call in its own text.
 
 Module-level imports of the overlay are the imports its definitions need; the
 splice adds to the upstream module those it lacks and the spliced code uses.
@@ -42,9 +60,11 @@ AMEND = "amend"
 ADD = "add"
 
 
-def _marker(kind: str, fix: str, releases: str) -> Callable[[Definition], Definition]:
+def _marker(kind: str, fix: str, releases: str,
+            into: str | None = None) -> Callable[[Definition], Definition]:
     def mark(definition: Definition) -> Definition:
-        definition.__vllm_patches__ = (kind, fix, releases)  # type: ignore[attr-defined]
+        markers = getattr(definition, "__vllm_patches__", ())
+        definition.__vllm_patches__ = (*markers, (kind, fix, releases, into))  # type: ignore[attr-defined]
         return definition
 
     return mark
@@ -55,16 +75,32 @@ def amend(fix: str, releases: str) -> Callable[[Definition], Definition]:
     return _marker(AMEND, fix, releases)
 
 
-def add(fix: str, releases: str) -> Callable[[Definition], Definition]:
-    """A new module-level definition that upstream does not have."""
-    return _marker(ADD, fix, releases)
+def add(fix: str, releases: str, into: str | None = None) -> Callable[[Definition], Definition]:
+    """A new module-level definition that upstream does not have (in the upstream module
+    of the overlay ``into``, relative to this one, when given)."""
+    return _marker(ADD, fix, releases, into)
 
 
-def call_at_end_of(method: str) -> Callable[[Definition], Definition]:
-    """Run the decorated (new, argument-less) method at the end of upstream ``method``."""
+HOOK_ATTR = "__vllm_patches_hook__"
+CALL_AT_END_OF = "call_at_end_of"
+FILTER_RESULT_OF = "filter_result_of"
+HOOKS = {CALL_AT_END_OF, FILTER_RESULT_OF}
 
+
+def _hook(kind: str, method: str) -> Callable[[Definition], Definition]:
     def mark(definition: Definition) -> Definition:
-        definition.__vllm_patches_call_at_end_of__ = method  # type: ignore[attr-defined]
+        setattr(definition, HOOK_ATTR, (kind, method))
         return definition
 
     return mark
+
+
+def call_at_end_of(method: str) -> Callable[[Definition], Definition]:
+    """Run the decorated new method whenever upstream ``method`` returns normally,
+    with the arguments of ``method`` its parameters name."""
+    return _hook(CALL_AT_END_OF, method)
+
+
+def filter_result_of(method: str) -> Callable[[Definition], Definition]:
+    """Pass every value upstream ``method`` returns through the decorated new method."""
+    return _hook(FILTER_RESULT_OF, method)

@@ -87,7 +87,8 @@ def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -
     overlays = dict.fromkeys(overlay for fix in fixes for overlay in fix.overlays)
     sources: dict[str, str] = {}
     for overlay in overlays:
-        parsed = Overlay.parse(_series.PACKAGE_DIR / overlay)
+        parsed = Overlay.parse(_series.PACKAGE_DIR / overlay,
+                               [_series.PACKAGE_DIR / other for other in overlays])
         definitions = parsed.select(ids, release)
         if not definitions:
             continue  # an overlay for another layout (e.g. a file older releases had)
@@ -95,21 +96,39 @@ def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -
         shown = _git.run(tree, "show", f"{base}:{upstream_path}", check=False)
         if shown.returncode != 0:
             raise UserError(f"v{release} has no {upstream_path} (overlay {overlay})")
-        sources[upstream_path] = splice(shown.stdout, definitions, parsed.imports, parsed.path)
+        spliced = splice(shown.stdout, definitions, parsed.imports, parsed.path)
+        sources[upstream_path] = sort_imports(tree, upstream_path, spliced)
     return sources
 
 
-def check_formatted(tree: Path, upstream_path: str, source: str) -> None:
-    """The spliced file must pass ``ruff format --check`` under the release's own config."""
+def _ruff(tree: Path, upstream_path: str, source: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ruff on ``source`` as if it were ``tree``'s file ``upstream_path`` (its config)."""
     if importlib.util.find_spec("ruff") is None:
-        raise UserError("regen needs ruff to check the spliced files: pip install 'vllm-patches[dev]'")
-    proc = subprocess.run(
-        [sys.executable, "-m", "ruff", "format", "--check", "--stdin-filename", upstream_path, "-"],
+        raise UserError("regen needs ruff for the spliced files: pip install 'vllm-patches[dev]'")
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args, "--stdin-filename", upstream_path, "-"],
         cwd=tree,
         input=source,
         capture_output=True,
         text=True,
     )
+
+
+def sort_imports(tree: Path, upstream_path: str, source: str) -> str:
+    """``source`` with its imports sorted by ruff's isort rule (I001) under the release's
+    config: the splice adds imports after upstream's last one, and this puts them where
+    vLLM's own pre-commit would."""
+    proc = _ruff(tree, upstream_path, source, "check", "--select", "I001", "--fix-only",
+                 "--exit-zero", "--quiet")
+    if proc.returncode != 0:
+        raise UserError(f"ruff could not sort the imports of spliced {upstream_path}: "
+                        + (proc.stderr or proc.stdout).strip()[-500:])
+    return proc.stdout
+
+
+def check_formatted(tree: Path, upstream_path: str, source: str) -> None:
+    """The spliced file must pass ``ruff format --check`` under the release's own config."""
+    proc = _ruff(tree, upstream_path, source, "format", "--check")
     if proc.returncode != 0:
         raise UserError(
             f"spliced {upstream_path} is not ruff-formatted under v{tree.name}'s config; "

@@ -19,7 +19,8 @@ How a fix is installed mirrors the static splice (``_splice``) exactly:
 - an amended class gets each member set on the live class (zero-argument ``super()``
   gets the live class); new dataclass fields re-run ``dataclasses.dataclass`` on the
   live class in place; ``@call_at_end_of(m)`` wraps upstream ``m`` to call the new
-  method when it returns; an amended module function replaces the module's binding
+  method when it returns (with the arguments it names), ``@filter_result_of(m)`` to
+  pass its result through the new method; an amended module function replaces the module's binding
   and every same-named binding of it in loaded modules; ``@add`` binds a new name.
 
 Anything unexpected is an ``ActivationError``, raised into vLLM, which then fails to
@@ -58,7 +59,7 @@ from packaging.version import InvalidVersion, Version
 
 from vllm_patches import _series
 from vllm_patches._errors import UserError
-from vllm_patches._overlay import ADD, AMEND
+from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, HOOKS
 from vllm_patches._series import Fix, Series
 
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
@@ -68,8 +69,9 @@ ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "vllm_patches"
 # Set on each upstream module that received definitions: fix id -> what was installed.
 INSTALLED_ATTR = "__vllm_patches_installed__"
-# Set on the wrapper that @call_at_end_of installs: the method it calls.
-CALL_AT_END_ATTR = "__vllm_patches_call_at_end_of__"
+# Set on the wrapper a hook marker (@call_at_end_of, @filter_result_of) installs: the
+# new method it calls.
+HOOK_WRAPPER_ATTR = "__vllm_patches_hook_wrapper__"
 
 # Under "vllm." so that vLLM's logging configuration prints it like its own lines.
 logger = logging.getLogger("vllm.vllm_patches")
@@ -301,7 +303,9 @@ class Installed:
                 return f"{self.label} is not a parameter of __init__"
             return None
         if self.kind == "call":
-            while present is not _MISSING and getattr(present, CALL_AT_END_ATTR, None) != self.value:
+            # The hook's wrapper, or a later fix's replacement whose own text calls it.
+            while present is not _MISSING and getattr(present, HOOK_WRAPPER_ATTR, None) != \
+                    self.value and not _calls_method(present, self.value):
                 present = getattr(present, "__wrapped__", _MISSING)
             return None if present is not _MISSING else \
                 f"{self.label}: the upstream method no longer calls the new one"
@@ -316,11 +320,27 @@ class Installed:
 _MISSING = object()
 
 
+def _calls_method(function: Any, method: str) -> bool:
+    """Whether ``function``'s own code names ``method`` (as in ``self.method(...)``)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and method in code.co_names
+
+
 @dataclass
 class _Member:
     name: str
-    node: ast.stmt | None  # the member's ast (call_at_end_of stripped)
-    call_target: str | None  # @call_at_end_of(target)
+    node: ast.stmt | None  # the member's ast (hook marker stripped)
+    hook: tuple[str, str] | None = None  # (marker kind, upstream method) of a hook
+
+    @property
+    def call_target(self) -> str | None:
+        return self.hook[1] if self.hook else None
+
+    @property
+    def hook_parameters(self) -> list[str]:
+        """The parameters after ``self``: the upstream method's arguments it takes."""
+        assert isinstance(self.node, ast.FunctionDef)
+        return [arg.arg for arg in self.node.args.args[1:]]
 
 
 @dataclass
@@ -331,6 +351,7 @@ class _Definition:
     node: ast.stmt  # marker stripped
     members: list[_Member]  # for an amended class
     cst_node: Any  # what missing_imports analyses
+    source: Path  # the overlay file it is written in (tracebacks point there)
 
     @property
     def amends_class(self) -> bool:
@@ -399,20 +420,23 @@ def _plans(fixes: list[Fix], release: Version, root: Path, package: str) -> list
 
     ids = [fix.id for fix in fixes]
     plans = []
-    for overlay in dict.fromkeys(o for fix in fixes for o in fix.overlays):
+    overlays = list(dict.fromkeys(o for fix in fixes for o in fix.overlays))
+    for overlay in overlays:
         path = root / overlay
-        parsed = Overlay.parse(path)
+        parsed = Overlay.parse(path, [root / other for other in overlays])
         chosen = parsed.select(ids, release)
         if not chosen:
             continue
-        tree = ast.parse(path.read_text(), filename=str(path))
-        nodes = [n for n in tree.body
-                 if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-        assert [n.name for n in nodes] == [d.name for d in parsed.definitions], path
         definitions = []
         for chosen_definition in chosen:
-            index = next(i for i, d in enumerate(parsed.definitions) if d is chosen_definition)
-            definitions.append(_definition(chosen_definition, nodes[index]))
+            # A fresh syntax tree per definition: _definition strips its decorators.
+            tree = ast.parse(chosen_definition.source.read_text(),
+                             filename=str(chosen_definition.source))
+            nodes = [n for n in tree.body
+                     if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+            node = nodes[chosen_definition.position]
+            assert node.name == chosen_definition.name, chosen_definition.source
+            definitions.append(_definition(chosen_definition, node))
         depends = set()
         for statement in parsed.imports:
             node = statement.body[0]
@@ -442,7 +466,7 @@ def _marker_name(decorator: ast.expr) -> str | None:
 
 
 def _definition(parsed, node: ast.stmt) -> _Definition:
-    from vllm_patches._splice import CALL_AT_END_OF, MARKERS, _is_docstring, _member_name
+    from vllm_patches._splice import MARKERS, _is_docstring, _member_name
 
     node.decorator_list = [d for d in node.decorator_list if _marker_name(d) not in MARKERS]
     members = []
@@ -453,17 +477,19 @@ def _definition(parsed, node: ast.stmt) -> _Definition:
         by_name = {_ast_member_name(m): m for m in ast_members}
         for name in names:
             member = by_name.get(name)
-            call_target = None
+            hook = None
             if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for decorator in list(member.decorator_list):
-                    if _marker_name(decorator) == CALL_AT_END_OF:
-                        call_target = decorator.args[0].value  # type: ignore[attr-defined]
+                    if _marker_name(decorator) in HOOKS:
+                        hook = (_marker_name(decorator),
+                                decorator.args[0].value)  # type: ignore[attr-defined]
                         member.decorator_list.remove(decorator)
-            members.append(_Member(name, member, call_target))
+            members.append(_Member(name, member, hook))
         # The overlay's class docstring is not spliced; it must not replace upstream's.
         node.body = [m for m in node.body if not _ast_docstring(m)] or [
             ast.copy_location(ast.Pass(), node)]
-    return _Definition(parsed.fix, parsed.kind, parsed.name, node, members, parsed.node)
+    return _Definition(parsed.fix, parsed.kind, parsed.name, node, members, parsed.node,
+                       parsed.source)
 
 
 def _ast_docstring(node: ast.stmt) -> bool:
@@ -538,9 +564,10 @@ def _in_source(module: types.ModuleType, definition: _Definition) -> bool:
     for member in definition.members:
         if member.call_target:
             target = members.get(member.call_target)
-            call = ast.parse(f"self.{member.name}()").body[0]
-            if not isinstance(target, ast.FunctionDef) or \
-                    ast.dump(target.body[-1]) != ast.dump(call):
+            if not isinstance(target, ast.FunctionDef) or not any(
+                    isinstance(node, ast.Attribute) and node.attr == member.name
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"
+                    for node in ast.walk(target)):
                 return False
     return True
 
@@ -568,11 +595,19 @@ def _validate(item: _OverlayPlan, skip: set[str]) -> None:
                                       f"{name} is {type(target).__name__}, not a class")
             new_members = {m.name for m in definition.members}
             for member in definition.members:
-                if member.call_target and member.call_target not in target.__dict__ \
-                        and member.call_target not in new_members:
+                if not member.call_target:
+                    continue
+                hooked = target.__dict__.get(member.call_target)
+                if hooked is None and member.call_target not in new_members:
                     raise ActivationError(
                         f"{definition.fix}: {where}: {name} has no {member.call_target} to call "
                         f"{member.name} from")
+                parameters = inspect.signature(hooked).parameters if hooked else {}
+                if member.hook[0] == CALL_AT_END_OF and hooked and (missing := [
+                        p for p in member.hook_parameters if p not in parameters]):
+                    raise ActivationError(
+                        f"{definition.fix}: {where}: {name}.{member.call_target} has no "
+                        f"parameter {', '.join(missing)} for {member.name}")
             if dataclasses.is_dataclass(target) and any(
                     isinstance(m.node, ast.AnnAssign) for m in definition.members):
                 _check_dataclass_amendable(target, definition.fix, where)
@@ -613,7 +648,7 @@ def _install_overlay(item: _OverlayPlan, skip: set[str]) -> list[Installed]:
         if namespace.get("annotations") is __future__.annotations else 0
     installed: list[Installed] = []
     for definition in todo:
-        code = compile(ast.Module(body=[definition.node], type_ignores=[]), str(item.path),
+        code = compile(ast.Module(body=[definition.node], type_ignores=[]), str(definition.source),
                        "exec", flags=flags, dont_inherit=True)
         name = definition.name
         before = namespace.get(name, _MISSING)
@@ -686,24 +721,39 @@ def _amend_class(cls: type, partial: type, definition: _Definition) -> list[Inst
         installed += [Installed(definition.fix, cls, name, cls.__dataclass_fields__[name], "field")
                       for name in fields]
     for member in definition.members:
-        if member.call_target:
-            _call_at_end(cls, member.call_target, member.name)
+        if member.hook:
+            _hook_into(cls, member)
             installed.append(Installed(definition.fix, cls, member.call_target, member.name,
                                        "call"))
     return installed
 
 
-def _call_at_end(cls: type, target: str, method: str) -> None:
-    """Wrap ``cls.<target>`` so that ``self.<method>()`` runs when it returns."""
+def _hook_into(cls: type, member: _Member) -> None:
+    """Wrap upstream ``cls.<target>`` as the spliced hook call would change it."""
+    kind, target = member.hook  # type: ignore[misc]
     original = cls.__dict__[target]
+    method = member.name
+    if kind == CALL_AT_END_OF:
+        names = member.hook_parameters
+        signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def wrapper(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        getattr(self, method)()
-        return result
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            if names:
+                bound = signature.bind(self, *args, **kwargs)
+                bound.apply_defaults()
+                getattr(self, method)(*(bound.arguments[name] for name in names))
+            else:
+                getattr(self, method)()
+            return result
+    else:
 
-    setattr(wrapper, CALL_AT_END_ATTR, method)
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            return getattr(self, method)(original(self, *args, **kwargs))
+
+    setattr(wrapper, HOOK_WRAPPER_ATTR, method)
     setattr(cls, target, wrapper)
 
 

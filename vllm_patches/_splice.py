@@ -7,6 +7,8 @@ spliced code uses and upstream lacks are added.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,10 +17,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_patches._errors import UserError
-from vllm_patches._overlay import ADD, AMEND
+from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, FILTER_RESULT_OF, HOOKS
 
 MARKERS = {AMEND, ADD}
-CALL_AT_END_OF = "call_at_end_of"
 # A partial class's own docstring describes the overlay; ``__doc__ = """..."""``
 # replaces the upstream class docstring.
 DOCSTRING_MEMBER = "__doc__"
@@ -36,7 +37,10 @@ class OverlayDefinition:
     kind: str  # AMEND or ADD
     fix: str
     releases: SpecifierSet
-    node: cst.ClassDef | cst.FunctionDef  # marker decorator already removed
+    node: cst.ClassDef | cst.FunctionDef  # marker decorators already removed
+    source: Path  # the overlay file it is written in
+    position: int  # its index among the top-level definitions of ``source``
+    into: Path | None = None  # the overlay whose upstream module receives it, if not source
 
     @property
     def name(self) -> str:
@@ -63,17 +67,23 @@ class Overlay:
     imports: tuple[cst.SimpleStatementLine, ...]
 
     @classmethod
-    def parse(cls, path: Path) -> Overlay:
-        module = cst.parse_module(path.read_text())
-        definitions: list[OverlayDefinition] = []
-        imports: list[cst.SimpleStatementLine] = []
-        for statement in module.body:
-            if _is_import(statement):
-                if not _imports_from(statement, (OWN_PACKAGE, "__future__")):
-                    imports.append(statement)
-            elif isinstance(statement, (cst.ClassDef, cst.FunctionDef)):
-                definitions.append(_parse_definition(path, statement))
-        return cls(path, tuple(definitions), tuple(imports))
+    def parse(cls, path: Path, others: Iterable[Path] = ()) -> Overlay:
+        """The definitions spliced into ``path``'s upstream module: those written in
+        ``path``, and those the overlay files ``others`` add ``into`` it, with the
+        imports of the files they are written in."""
+        definitions, imports = _parse_file(path)
+        own = [d for d in definitions if d.into is None]
+        imports = list(imports)
+        target = path.resolve()
+        for other in others:
+            if other.resolve() == target:
+                continue
+            foreign, foreign_imports = _parse_file(other)
+            sent = [d for d in foreign if d.into == target]
+            if sent:
+                own += sent
+                imports += foreign_imports
+        return cls(path, tuple(own), tuple(imports))
 
     def fixes(self) -> set[str]:
         return {d.fix for d in self.definitions}
@@ -93,20 +103,49 @@ class Overlay:
         return sorted(chosen, key=lambda d: fixes.index(d.fix))
 
 
-def _parse_definition(path: Path, node: cst.ClassDef | cst.FunctionDef) -> OverlayDefinition:
+def _parse_file(path: Path) -> tuple[tuple[OverlayDefinition, ...],
+                                     tuple[cst.SimpleStatementLine, ...]]:
+    """The marked definitions (one per marker) and the imports of one overlay file."""
+    return _parse_source(path, path.read_text())
+
+
+@functools.cache
+def _parse_source(path: Path, source: str) -> tuple[tuple[OverlayDefinition, ...],
+                                                    tuple[cst.SimpleStatementLine, ...]]:
+    module = cst.parse_module(source)
+    definitions: list[OverlayDefinition] = []
+    imports: list[cst.SimpleStatementLine] = []
+    position = 0
+    for statement in module.body:
+        if _is_import(statement):
+            if not _imports_from(statement, (OWN_PACKAGE, "__future__")):
+                imports.append(statement)
+        elif isinstance(statement, (cst.ClassDef, cst.FunctionDef)):
+            definitions += _parse_definition(path, statement, position)
+            position += 1
+    return tuple(definitions), tuple(imports)
+
+
+def _parse_definition(path: Path, node: cst.ClassDef | cst.FunctionDef,
+                      position: int) -> list[OverlayDefinition]:
     markers = [d for d in node.decorators if _decorator_name(d) in MARKERS]
-    if len(markers) != 1:
+    kinds = {_decorator_name(d) for d in markers}
+    if not markers or (len(markers) > 1 and kinds != {ADD}):
         raise SpliceError(
-            f"{path}: {node.name.value} needs exactly one @amend(...) or @add(...) marker"
+            f"{path}: {node.name.value} needs exactly one @amend(...) or @add(...) marker "
+            "(several only as @add(..., into=...))"
         )
-    (marker,) = markers
-    args = _string_args(path, marker, ("fix", "releases"))
-    return OverlayDefinition(
-        kind=_decorator_name(marker),
-        fix=args["fix"],
-        releases=SpecifierSet(args["releases"]),
-        node=node.with_changes(decorators=[d for d in node.decorators if d is not marker]),
-    )
+    bare = node.with_changes(decorators=[d for d in node.decorators if d not in markers])
+    definitions = []
+    for marker in markers:
+        args = _string_args(path, marker, ("fix", "releases"), optional=("into",))
+        into = (path.parent / args["into"]).resolve() if "into" in args else None
+        if into is not None and not into.is_file():
+            raise SpliceError(f"{path}: {node.name.value}: into={args['into']!r} is no overlay")
+        definitions.append(OverlayDefinition(
+            kind=_decorator_name(marker), fix=args["fix"], releases=SpecifierSet(args["releases"]),
+            node=bare, source=path, position=position, into=into))
+    return definitions
 
 
 def _decorator_name(decorator: cst.Decorator) -> str | None:
@@ -116,7 +155,8 @@ def _decorator_name(decorator: cst.Decorator) -> str | None:
     return target.value if isinstance(target, cst.Name) else None
 
 
-def _string_args(path: Path, decorator: cst.Decorator, names: tuple[str, ...]) -> dict[str, str]:
+def _string_args(path: Path, decorator: cst.Decorator, names: tuple[str, ...],
+                 optional: tuple[str, ...] = ()) -> dict[str, str]:
     call = decorator.decorator
     if not isinstance(call, cst.Call):
         raise SpliceError(f"{path}: @{_decorator_name(decorator)} must be called with arguments")
@@ -126,7 +166,7 @@ def _string_args(path: Path, decorator: cst.Decorator, names: tuple[str, ...]) -
         if not isinstance(arg.value, cst.SimpleString):
             raise SpliceError(f"{path}: @{_decorator_name(decorator)} takes string literals only")
         values[key] = arg.value.evaluated_value
-    if set(values) != set(names):
+    if not set(names) <= set(values) <= set(names + optional):
         raise SpliceError(f"{path}: @{_decorator_name(decorator)} needs {', '.join(names)}")
     return values
 
@@ -236,16 +276,16 @@ def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> c
     index = {_member_name(node): i for i, node in enumerate(body) if _member_name(node)}
     pending: list[cst.CSTNode] = []
     cursor = len(body)
-    end_calls: list[tuple[str, str]] = []
+    hooks: list[tuple[str, str, cst.FunctionDef]] = []
     for member in overlay.body.body:
         if _is_docstring(member):
             continue
         name = _member_name(member)
         if name is None:
             raise SpliceError(f"{path}: {overlay.name.value} holds a statement that names nothing")
-        member, call_target = _strip_call_at_end_of(member)
-        if call_target:
-            end_calls.append((call_target, name))
+        member, hook = _strip_hook(member)
+        if hook:
+            hooks.append((*hook, member))
         if name == DOCSTRING_MEMBER:
             body = _replace_docstring(body, member)
             index = {_member_name(n): i for i, n in enumerate(body) if _member_name(n)}
@@ -262,8 +302,8 @@ def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> c
             pending.append(_with_leading([cst.EmptyLine(indent=False)], member))
     body[cursor:cursor] = pending
     amended = upstream.with_changes(body=upstream.body.with_changes(body=body))
-    for target, method in end_calls:
-        amended = _append_call(amended, target, method, path)
+    for kind, target, hook in hooks:
+        amended = _hook_into(amended, kind, target, hook, path)
     return amended
 
 
@@ -278,31 +318,105 @@ def _replace_docstring(body: list[cst.CSTNode], member: cst.CSTNode) -> list[cst
     return [docstring, *body]
 
 
-def _strip_call_at_end_of(member: cst.CSTNode) -> tuple[cst.CSTNode, str | None]:
+def _strip_hook(member: cst.CSTNode) -> tuple[cst.CSTNode, tuple[str, str] | None]:
+    """``member`` without its hook marker, and (marker kind, upstream method) if it had one."""
     if not isinstance(member, cst.FunctionDef):
         return member, None
     for decorator in member.decorators:
-        if _decorator_name(decorator) == CALL_AT_END_OF:
+        kind = _decorator_name(decorator)
+        if kind in HOOKS:
             call = decorator.decorator
             assert isinstance(call, cst.Call) and isinstance(call.args[0].value, cst.SimpleString)
             target = call.args[0].value.evaluated_value
             kept = [d for d in member.decorators if d is not decorator]
-            return member.with_changes(decorators=kept), target
+            return member.with_changes(decorators=kept), (kind, target)
     return member, None
 
 
-def _append_call(cls: cst.ClassDef, target: str, method: str, path: Path) -> cst.ClassDef:
+def hook_parameters(hook: cst.FunctionDef) -> list[str]:
+    """The parameters of a hook method after ``self``: names of its target's parameters."""
+    return [param.name.value for param in hook.params.params[1:]]
+
+
+class _ReturnRewriter(cst.CSTTransformer):
+    """Rewrites the ``return`` statements of one function body, not of nested scopes."""
+
+    def __init__(self, kind: str, call: str, where: str) -> None:
+        self.kind, self.call, self.where = kind, call, where
+        self.nested = 0
+        self.returns = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self.nested += 1
+        return True
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        self.nested -= 1
+        return updated
+
+    visit_ClassDef = visit_FunctionDef  # type: ignore[assignment]
+    leave_ClassDef = leave_FunctionDef  # type: ignore[assignment]
+
+    def leave_SimpleStatementSuite(self, original, updated):
+        if not self.nested and any(isinstance(s, cst.Return) for s in updated.body):
+            raise SpliceError(f"{self.where}: a one-line `...: return` can't take a hook; "
+                              "amend the method instead")
+        return updated
+
+    def leave_SimpleStatementLine(self, original, updated):
+        returns = [s for s in updated.body if isinstance(s, cst.Return)]
+        if self.nested or not returns:
+            return updated
+        (statement,) = returns
+        self.returns += 1
+        if self.kind == FILTER_RESULT_OF:
+            if statement.value is None:
+                raise SpliceError(f"{self.where}: a bare `return` can't pass a result through "
+                                  "the hook")
+            value = cst.parse_expression(f"{self.call}(_)").with_changes(
+                args=[cst.Arg(statement.value)])
+            return updated.with_changes(body=[*updated.body[:-1], statement.with_changes(
+                value=value, whitespace_after_return=cst.SimpleWhitespace(" "))])
+        if statement.value is not None:
+            raise SpliceError(f"{self.where}: it returns a value; use @filter_result_of")
+        call = cst.parse_statement(f"{self.call}\n")
+        return cst.FlattenSentinel([call.with_changes(leading_lines=updated.leading_lines),
+                                    updated.with_changes(leading_lines=[])])
+
+
+def _hook_into(cls: cst.ClassDef, kind: str, target: str, hook: cst.FunctionDef,
+               path: Path) -> cst.ClassDef:
+    """Hook the new method ``hook`` into ``cls.<target>`` (see ``_overlay``)."""
+    where = f"{path}: @{kind}({target!r}) on {cls.name.value}.{hook.name.value}"
     body = list(cls.body.body)
     for i, node in enumerate(body):
         if isinstance(node, cst.FunctionDef) and node.name.value == target:
-            call = cst.parse_statement(f"self.{method}()\n")
-            statements = list(node.body.body)
-            if not any(cst.Module([]).code_for_node(s) == cst.Module([]).code_for_node(call)
-                       for s in statements):
-                statements.append(call)
-            body[i] = node.with_changes(body=node.body.with_changes(body=statements))
-            return cls.with_changes(body=cls.body.with_changes(body=body))
-    raise SpliceError(f"{path}: {cls.name.value} has no {target} to call {method} from")
+            break
+    else:
+        raise SpliceError(f"{where}: {cls.name.value} has no {target}")
+    params = hook_parameters(hook)
+    name = hook.name.value
+    if kind == FILTER_RESULT_OF:
+        if len(params) != 1:
+            raise SpliceError(f"{where}: the hook takes one argument, the result")
+        rewriter = _ReturnRewriter(kind, f"self.{name}", where)
+    else:
+        own = {p.name.value for p in (*node.params.posonly_params, *node.params.params,
+                                      *node.params.kwonly_params)}
+        if missing := [p for p in params if p not in own]:
+            raise SpliceError(f"{where}: {target} has no parameter {', '.join(missing)}")
+        rewriter = _ReturnRewriter(kind, f"self.{name}({', '.join(params)})", where)
+    block = node.body.visit(rewriter)
+    assert isinstance(block, cst.IndentedBlock)
+    statements = list(block.body)
+    ends_in_return = isinstance(statements[-1], cst.SimpleStatementLine) and any(
+        isinstance(s, cst.Return) for s in statements[-1].body)
+    if kind == FILTER_RESULT_OF and not ends_in_return:
+        raise SpliceError(f"{where}: {target} must end in `return value`")
+    if kind == CALL_AT_END_OF and not ends_in_return:
+        statements.append(cst.parse_statement(f"{rewriter.call}\n"))
+    body[i] = node.with_changes(body=block.with_changes(body=statements))
+    return cls.with_changes(body=cls.body.with_changes(body=body))
 
 
 def splice(upstream_source: str, definitions: list[OverlayDefinition],
@@ -351,12 +465,15 @@ def missing_imports(present: set[str], spliced: list[cst.CSTNode],
     """The overlay import statements, cut down to the names ``spliced`` uses and ``present``
     lacks: what the splice adds to an upstream module (and the runtime to a live one)."""
     used = _used_names(spliced)
+    present = set(present)
     added: list[cst.SimpleStatementLine] = []
     for statement in imports:
-        wanted = [alias for name, alias in _bound_names(statement)
-                  if name in used and name not in present]
-        if not wanted:
+        bound = [(name, alias) for name, alias in _bound_names(statement)
+                 if name in used and name not in present]
+        if not bound:
             continue
+        present.update(name for name, _ in bound)  # overlays sharing definitions repeat imports
+        wanted = [alias for _, alias in bound]
         wanted[-1] = wanted[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
         node = statement.body[0].with_changes(names=wanted)
         if isinstance(node, cst.ImportFrom):

@@ -190,6 +190,88 @@ def test_installs_members_calls_and_functions_with_upstream_globals(worker):
     assert {i.label for i in states[0].installed} == {i.label for i in recorded}
 
 
+HOOKED = '''\
+class Worker:
+    def start(self, metadata, step=0):
+        if step:
+            return
+        self.started = metadata
+
+    def notifs(self):
+        return {"a"}
+'''
+
+HOOKS_OVERLAY = '''\
+from vllm_patches._overlay import amend, call_at_end_of, filter_result_of
+
+
+@amend("F1", ">=0.18")
+class Worker:
+    @call_at_end_of("start")
+    def _settle(self, metadata):
+        self.settled = getattr(self, "settled", []) + [metadata]
+
+    @filter_result_of("notifs")
+    def _with_more(self, found):
+        return found | {"b"}
+
+
+@amend("F2", ">=0.18")
+class Worker:
+    def notifs(self):
+        return self._with_more({"c"})
+'''
+
+
+def test_hooks_run_where_the_spliced_calls_would(fake):
+    fake.module("core.worker", HOOKED)
+    fake.overlay("core/worker.py", HOOKS_OVERLAY)
+    fake.install([make_fix("F1", ["core/worker.py"])])
+    worker = fake.get("core.worker").Worker()
+    worker.start("m1")
+    worker.start(metadata="m2", step=1)  # the early return calls it too
+    assert worker.settled == ["m1", "m2"]
+    assert worker.notifs() == {"a", "b"}
+
+
+def test_a_later_fix_that_replaces_a_hooked_method_keeps_the_hook(fake):
+    fake.module("core.worker", HOOKED)
+    fake.overlay("core/worker.py", HOOKS_OVERLAY)
+    states = fake.install([make_fix("F1", ["core/worker.py"]), make_fix("F2", ["core/worker.py"])])
+    assert [s.state for s in states] == [_runtime.ACTIVE, _runtime.ACTIVE]
+    assert fake.get("core.worker").Worker().notifs() == {"b", "c"}
+
+
+def test_a_hook_naming_no_parameter_of_its_target_is_an_error(fake):
+    fake.module("core.worker", HOOKED)
+    fake.overlay("core/worker.py", HOOKS_OVERLAY.replace("_settle(self, metadata)",
+                                                         "_settle(self, request)"))
+    with pytest.raises(ActivationError, match="Worker.start has no parameter request for _settle"):
+        fake.install([make_fix("F1", ["core/worker.py"])])
+
+
+def test_a_definition_added_into_another_overlay_file_is_installed_there(fake):
+    fake.module("core.worker", WORKER)
+    fake.module("core.other", "X = 1\n")
+    fake.overlay("core/other.py", '''\
+        from collections import OrderedDict
+
+        from vllm_patches._overlay import add
+
+
+        @add("F1", ">=0.20", into="worker.py")
+        def shared():
+            return OrderedDict(x=X)
+        ''')
+    fake.overlay("core/worker.py", "from vllm_patches._overlay import add\n")
+    fake.install([make_fix("F1", ["core/other.py", "core/worker.py"])])
+    worker = fake.get("core.worker")
+    worker.X = 2
+    assert worker.shared() == OrderedDict(x=2), "runs in the module it was added into"
+    assert worker.shared.__code__.co_filename == str(fake.overlays / "core/other.py")
+    assert not hasattr(fake.get("core.other"), "shared")
+
+
 def test_tracebacks_point_at_the_overlay(worker):
     worker.install([make_fix("F1", ["core/worker.py"])])
     code = worker.get("core.worker").Worker.step.__code__

@@ -57,13 +57,13 @@ def test_fix_tests_exist_and_stock_fails_name_them(fix):
 @pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
 def test_every_listed_overlay_holds_definitions_of_the_fix(fix):
     for overlay in fix.overlays:
-        parsed = Overlay.parse(_series.PACKAGE_DIR / overlay)
+        parsed = Overlay.parse(_series.PACKAGE_DIR / overlay, overlay_files())
         assert fix.id in parsed.fixes(), f"{overlay} has no definition of {fix.id}"
 
 
 @pytest.mark.parametrize("path", overlay_files(), ids=lambda p: str(p.relative_to(_series.PACKAGE_DIR)))
 def test_every_overlay_belongs_to_listed_fixes(path):
-    parsed = Overlay.parse(path)
+    parsed = Overlay.parse(path, overlay_files())
     relative = str(path.relative_to(_series.PACKAGE_DIR))
     if not parsed.definitions:
         assert path.name == "__init__.py"

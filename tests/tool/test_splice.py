@@ -37,7 +37,7 @@ UPSTREAM = textwrap.dedent('''\
 
 def write_overlay(tmp_path: Path, body: str) -> Overlay:
     path = tmp_path / "overlay.py"
-    path.write_text("from vllm_patches._overlay import add, amend, call_at_end_of\n"
+    path.write_text("from vllm_patches._overlay import add, amend, call_at_end_of, filter_result_of\n"
                     + textwrap.dedent(body))
     return Overlay.parse(path)
 
@@ -116,6 +116,127 @@ def test_call_at_end_of_init_and_add(tmp_path):
     assert "        self.x = 1\n        self._init_extra_state()\n" in result
     assert "call_at_end_of" not in result and "@amend" not in result
     assert result.endswith("\n\n\nclass ExtraState:\n    pass\n")
+
+
+HOOKED = textwrap.dedent('''\
+    class Worker:
+        def start(self, metadata, step=0):
+            for req in metadata:
+                if req is None:
+                    return
+            if step:
+                self.step = step
+                return
+            self.done = True
+
+        def notifs(self):
+            found = set()
+
+            def nested():
+                return None
+
+            if not found:
+                return found
+            return {*found, nested()}
+''')
+
+
+def test_call_at_end_of_passes_arguments_and_runs_at_every_bare_return(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @call_at_end_of("start")
+            def _settle(self, metadata, step):
+                pass
+        ''')
+    result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+    assert result.startswith(textwrap.dedent('''\
+        class Worker:
+            def start(self, metadata, step=0):
+                for req in metadata:
+                    if req is None:
+                        self._settle(metadata, step)
+                        return
+                if step:
+                    self.step = step
+                    self._settle(metadata, step)
+                    return
+                self.done = True
+                self._settle(metadata, step)
+
+            def notifs(self):
+                found = set()
+
+                def nested():
+                    return None
+        '''))
+
+
+def test_filter_result_of_wraps_every_returned_value(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @filter_result_of("notifs")
+            def _with_more(self, found):
+                return found | {1}
+        ''')
+    result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+    assert "        if not found:\n            return self._with_more(found)\n" in result
+    assert "        return self._with_more({*found, nested()})\n" in result
+    assert "        def nested():\n            return None\n" in result
+
+
+@pytest.mark.parametrize(("marker", "target", "params", "error"), [
+    ("call_at_end_of", "notifs", "", "it returns a value; use @filter_result_of"),
+    ("filter_result_of", "start", ", metadata", "a bare `return` can't pass a result"),
+    ("call_at_end_of", "start", ", request", "start has no parameter request"),
+    ("call_at_end_of", "missing", "", "Worker has no missing"),
+])
+def test_hooks_refuse_what_they_cannot_mirror(tmp_path, marker, target, params, error):
+    overlay = write_overlay(tmp_path, f'''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @{marker}("{target}")
+            def _hook(self{params}):
+                pass
+        ''')
+    with pytest.raises(SpliceError, match=error):
+        splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+
+
+def test_one_definition_is_added_into_the_files_each_release_needs(tmp_path):
+    (tmp_path / "old").mkdir()
+    home, old = tmp_path / "new.py", tmp_path / "old" / "worker.py"
+    home.write_text(textwrap.dedent('''\
+        from collections import OrderedDict
+
+        from vllm_patches._overlay import add
+
+
+        @add("F1", ">=0.20")
+        @add("F1", "<0.20", into="old/worker.py")
+        class Shared:
+            seen = OrderedDict()
+        '''))
+    old.write_text("from vllm_patches._overlay import amend\n")
+    files = [home, old]
+    received = Overlay.parse(old, files)
+    assert [d.name for d in received.select(["F1"], Version("0.19.0"))] == ["Shared"]
+    assert received.select(["F1"], Version("0.21.0")) == []
+    result = splice(UPSTREAM, received.select(["F1"], Version("0.19.0")), received.imports, old)
+    assert "from collections import OrderedDict\n" in result  # the home file's import
+    assert result.endswith("\n\n\nclass Shared:\n    seen = OrderedDict()\n")
+    assert [d.name for d in Overlay.parse(home, files).select(["F1"], Version("0.21.0"))] == ["Shared"]
+    assert Overlay.parse(home, files).select(["F1"], Version("0.19.0")) == []
+
+
+@pytest.mark.parametrize(("markers", "error"), [
+    ('@add("F1", ">=0.18", into="nowhere.py")', "into='nowhere.py' is no overlay"),
+    ('@amend("F1", ">=0.20")\n@add("F1", "<0.20")', "several only as @add"),
+])
+def test_bad_markers_are_refused(tmp_path, markers, error):
+    with pytest.raises(SpliceError, match=error):
+        write_overlay(tmp_path, f"\n{markers}\ndef helper(a):\n    pass\n")
 
 
 def test_variants_are_chosen_by_release(tmp_path):
