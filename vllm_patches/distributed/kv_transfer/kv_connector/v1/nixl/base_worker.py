@@ -49,13 +49,18 @@ class NixlBaseConnectorWorker:
         )
         self._released_at_registration = set()
 
-    def _release_best_of_siblings(self, req_id: ReqId) -> set[ReqId]:
+    def _release_best_of_siblings(
+        self, req_id: ReqId, pulled_now: AbstractSet[ReqId] = frozenset()
+    ) -> set[ReqId]:
         """Release the siblings of ``req_id``, whose shared KV a decoder pulled.
 
-        Returns the siblings released now: those registered to send. The others
-        are released when they register to send.
+        ``pulled_now``: requests released with it, which count as its siblings
+        but are released already. Returns the siblings released now: those
+        registered to send. The others are released when they register to send.
         """
-        siblings = self._best_of_siblings.pulled(req_id, self._reqs_to_process)
+        siblings = self._best_of_siblings.pulled(
+            req_id, self._reqs_to_process, pulled_now
+        )
         released = {sibling for sibling in siblings if sibling in self._reqs_to_send}
         for sibling in released:
             self._forget_sent_req(sibling)
@@ -86,19 +91,6 @@ class NixlBaseConnectorWorker:
         if released:
             self._released_at_registration = set()
         return released
-
-    def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
-        """Release what the requests registered by ``start_load_kv`` made releasable.
-
-        Runs at the end of ``start_load_kv``; costs O(requests in ``metadata``).
-        """
-        if not (
-            metadata.reqs_in_batch
-            or metadata.reqs_to_send
-            or metadata.reqs_not_processed
-        ):
-            return
-        self._release_late_best_of_siblings(metadata)
 
     def _forget_sent_req(self, req_id: ReqId) -> None:
         """Drop a request whose KV this worker no longer holds from its
@@ -168,22 +160,9 @@ class NixlBaseConnectorWorker:
                 siblings = self._release_best_of_siblings(req_id)
                 self._released_at_registration |= {req_id, *siblings}
 
-    def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
-        """Release what the requests registered by ``start_load_kv`` made releasable.
-
-        Runs at the end of ``start_load_kv``; costs O(requests in ``metadata``).
-        """
-        if not (
-            metadata.reqs_in_batch
-            or metadata.reqs_to_send
-            or metadata.reqs_not_processed
-        ):
-            return
-        self._settle_early_notifs(metadata)
-        self._release_late_best_of_siblings(metadata)
-
-
 @add("F2", ">=0.24.0,<0.34.0")
+@add("F2", ">=0.20.0,<0.24.0", into="worker.py")
+@add("F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py")
 class BestOfSiblings:
     """Parallel-sampling siblings of requests a NIXL producer's decoders pulled.
 
@@ -238,9 +217,16 @@ class BestOfSiblings:
             return None
         return int(index), parent
 
-    def pulled(self, req_id: str, registered: Collection[str]) -> list[str]:
+    def pulled(
+        self,
+        req_id: str,
+        registered: Collection[str],
+        pulled_now: Collection[str] = (),
+    ) -> list[str]:
         """A decoder pulled ``req_id``: its siblings among ``registered``.
 
+        ``pulled_now``: requests pulled in the same step, released already; they
+        are siblings too (the parent is remembered for them) but not returned.
         Siblings are looked up by index, up to one past the highest index seen,
         so O(n). If any is found the parent is remembered, and its siblings that
         register to send later are returned by ``late``.
@@ -252,17 +238,20 @@ class BestOfSiblings:
         # Siblings 0..n-1 register together: an index beyond the number of
         # registered requests belongs to no live group (and must not make a
         # client-chosen id cost a long search).
-        if index > len(registered):
+        if index > len(registered) + len(pulled_now):
             return []
-        siblings = []
+        siblings, pulled_together = [], False
         last, i = index, 0
         while i <= last + 1:
             sibling = f"{i}_{parent}"
             if i != index and sibling in registered:
                 siblings.append(sibling)
                 last = max(last, i)
+            elif i != index and sibling in pulled_now:
+                pulled_together = True
+                last = max(last, i)
             i += 1
-        if siblings:
+        if siblings or pulled_together:
             self.pulled_parents[parent] = None
             if len(self.pulled_parents) > self.limit:
                 self.pulled_parents.popitem(last=False)
@@ -281,6 +270,8 @@ class BestOfSiblings:
 
 
 @add("F3", ">=0.24.0,<0.34.0")
+@add("F3", ">=0.20.0,<0.24.0", into="worker.py")
+@add("F3", ">=0.18.0,<0.20.0", into="../nixl_connector.py")
 class EarlyPullNotifications:
     """Pull notifications for requests a NIXL producer has not registered yet.
 

@@ -19,12 +19,10 @@ in one partial class per range of identical upstream text.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
 
 from vllm import envs
-from vllm_patches._overlay import add, amend, call_at_end_of
+from vllm_patches._overlay import amend, call_at_end_of, filter_result_of
 
 
 @amend("F2", ">=0.20.0,<0.24.0")
@@ -51,13 +49,18 @@ class NixlConnectorWorker:
         )
         self._released_at_registration = set()
 
-    def _release_best_of_siblings(self, req_id: ReqId) -> set[ReqId]:
+    def _release_best_of_siblings(
+        self, req_id: ReqId, pulled_now: AbstractSet[ReqId] = frozenset()
+    ) -> set[ReqId]:
         """Release the siblings of ``req_id``, whose shared KV a decoder pulled.
 
-        Returns the siblings released now: those registered to send. The others
-        are released when they register to send.
+        ``pulled_now``: requests released with it, which count as its siblings
+        but are released already. Returns the siblings released now: those
+        registered to send. The others are released when they register to send.
         """
-        siblings = self._best_of_siblings.pulled(req_id, self._reqs_to_process)
+        siblings = self._best_of_siblings.pulled(
+            req_id, self._reqs_to_process, pulled_now
+        )
         released = {sibling for sibling in siblings if sibling in self._reqs_to_send}
         for sibling in released:
             self._forget_sent_req(sibling)
@@ -89,10 +92,11 @@ class NixlConnectorWorker:
             self._released_at_registration = set()
         return released
 
+    @call_at_end_of("start_load_kv")
     def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
         """Release what the requests registered by ``start_load_kv`` made releasable.
 
-        Runs at the end of ``start_load_kv``; costs O(requests in ``metadata``).
+        Runs whenever ``start_load_kv`` returns; costs O(requests in ``metadata``).
         """
         if not (
             metadata.reqs_in_batch
@@ -102,257 +106,23 @@ class NixlConnectorWorker:
             return
         self._release_late_best_of_siblings(metadata)
 
+    @filter_result_of("_get_new_notifs")
+    def _release_pulled_siblings(self, notified_req_ids: set[str]) -> set[str]:
+        """Add to the requests ``_get_new_notifs`` releases their parallel-sampling
+        siblings (the KV a decoder pulled is theirs too) and the requests
+        ``start_load_kv`` released when they registered."""
+        pulled = [req_id for req_id in notified_req_ids if "_" in req_id]
+        for req_id in pulled:
+            notified_req_ids |= self._release_best_of_siblings(req_id, notified_req_ids)
+        if self._released_at_registration:
+            notified_req_ids |= self._pop_released_at_registration()
+        return notified_req_ids
+
     def _forget_sent_req(self, req_id: ReqId) -> None:
         """Drop a request whose KV this worker no longer holds from its bookkeeping."""
         self._reqs_to_process.discard(req_id)
         self._reqs_to_send.pop(req_id, None)
         self.consumer_notification_counts_by_req.pop(req_id, None)
-
-
-@amend("F2", ">=0.20.0,<0.22.0")
-class NixlConnectorWorker:
-    """F2, v0.20 - v0.21 (expiry timeout)."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """
-        Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP scenario), wait
-        for all consumers to be done pulling.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
-            for notif in notifs:
-                req_id, tp_size = notif.decode("utf-8").rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # NOTE: `tp_ratio` is the opposite when swapping local<>remote
-                n_consumers = int(tp_size)
-                tp_ratio = self.transfer_topo.tp_ratio(n_consumers)
-
-                # Number of reads *per producer* to wait for.
-                # When remote D TP > local P TP we expect `tp_ratio` reads.
-                consumers_per_producer = (
-                    -tp_ratio if n_consumers > self.world_size else 1
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == consumers_per_producer
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
-
-    def start_load_kv(self, metadata: NixlConnectorMetadata):
-        """
-        Start loading by triggering non-blocking nixl_xfer.
-        We check for these trnxs to complete in each step().
-        """
-        for req_id, meta in metadata.reqs_to_recv.items():
-            meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
-                meta.local_block_ids
-            )
-            assert meta.remote is not None
-            # Remote block IDs are kept logical here; expanded in
-            # _read_blocks_for_req using the remote engine's phys ratio.
-            remote_engine_id = meta.remote.engine_id
-            logger.debug(
-                "start_load_kv for request %s from remote engine %s. "
-                "Num local_block_ids: %s. Num remote_block_ids: %s. ",
-                req_id,
-                remote_engine_id,
-                len(meta.local_physical_block_ids),
-                len(meta.remote.block_ids),
-            )
-            # always store metadata for failure recovery
-            self._recving_metadata[req_id] = meta
-            if remote_engine_id not in self._remote_agents:
-                # Initiate handshake with remote engine to exchange metadata.
-                with self._handshake_lock:
-                    if remote_engine_id not in self._remote_agents:
-                        self._background_nixl_handshake(req_id, remote_engine_id, meta)
-                        continue
-
-            # Handshake already completed, start async read xfer.
-            self._read_blocks_for_req(req_id, meta)
-
-        # Start transfers for requests whose handshakes have now finished.
-        while not self._ready_requests.empty():
-            self._read_blocks_for_req(*self._ready_requests.get_nowait())
-
-        # Keep around the requests that have been part of a batch. This is
-        # needed because async scheduling pushes the misalignment between the
-        # moment in which requests expiration is set (P side) and the moment in
-        # which blocks are read from D. As P can now more easily lag behind D
-        # while processing the next batch, we make sure to only set an
-        # expiration for requests that have not been read from D yet.
-        for req_id in metadata.reqs_in_batch:
-            self._reqs_to_process.add(req_id)
-
-        # Remove all requests that are not to be processed (eg aborted).
-        for req_id in metadata.reqs_not_processed:
-            self._reqs_to_process.discard(req_id)
-            # We should never get an abort after setting an expiry timer
-            assert req_id not in self._reqs_to_send
-
-        # Add to requests that are waiting to be read and track expiration.
-        for req_id, expiration_time in metadata.reqs_to_send.items():
-            if req_id in self._reqs_to_process:
-                self._reqs_to_send[req_id] = expiration_time
-
-        # Release what the requests registered above made releasable.
-        self._settle_producer_registrations(metadata)
-
-
-@amend("F2", ">=0.22.0,<0.24.0")
-class NixlConnectorWorker:
-    """F2, v0.22 - v0.23 (lease, heartbeats)."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """
-        Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP scenario), wait
-        for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, tp_size = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # NOTE: `tp_ratio` is the opposite when swapping local<>remote
-                n_consumers = int(tp_size)
-                tp_ratio = self.transfer_topo.tp_ratio(n_consumers)
-
-                # Number of reads *per producer* to wait for.
-                # When remote D TP > local P TP we expect `tp_ratio` reads.
-                consumers_per_producer = (
-                    -tp_ratio if n_consumers > self.world_size else 1
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == consumers_per_producer
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
-
-    def start_load_kv(self, metadata: NixlConnectorMetadata):
-        """
-        Start loading by triggering non-blocking nixl_xfer.
-        We check for these trnxs to complete in each step().
-        """
-        for req_id, meta in metadata.reqs_to_recv.items():
-            meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
-                meta.local_block_ids
-            )
-            assert meta.remote is not None
-            # Remote block IDs are kept logical here; expanded in
-            # _read_blocks_for_req using the remote engine's phys ratio.
-            remote_engine_id = meta.remote.engine_id
-            logger.debug(
-                "start_load_kv for request %s from remote engine %s. "
-                "Num local_block_ids: %s. Num remote_block_ids: %s. ",
-                req_id,
-                remote_engine_id,
-                len(meta.local_physical_block_ids),
-                len(meta.remote.block_ids),
-            )
-            # always store metadata for failure recovery
-            self._recving_metadata[req_id] = meta
-            if remote_engine_id not in self._remote_agents:
-                # Initiate handshake with remote engine to exchange metadata.
-                with self._handshake_lock:
-                    if remote_engine_id not in self._remote_agents:
-                        self._background_nixl_handshake(req_id, remote_engine_id, meta)
-                        continue
-
-            # Handshake already completed, start async read xfer.
-            self._read_blocks_for_req(req_id, meta)
-
-        # Start transfers for requests whose handshakes have now finished.
-        while not self._ready_requests.empty():
-            self._read_blocks_for_req(*self._ready_requests.get_nowait())
-
-        # Keep around the requests that have been part of a batch. This is
-        # needed because async scheduling pushes the misalignment between the
-        # moment in which requests expiration is set (P side) and the moment in
-        # which blocks are read from D. As P can now more easily lag behind D
-        # while processing the next batch, we make sure to only set an
-        # expiration for requests that have not been read from D yet.
-        for req_id in metadata.reqs_in_batch:
-            self._reqs_to_process.add(req_id)
-
-        # Remove all requests that are not to be processed (eg aborted).
-        for req_id in metadata.reqs_not_processed:
-            self._reqs_to_process.discard(req_id)
-            # We should never get an abort after setting an expiry timer
-            assert req_id not in self._reqs_to_send
-
-        # Add to requests that are waiting to be read and track expiration.
-        for req_id, expiration_time in metadata.reqs_to_send.items():
-            if req_id in self._reqs_to_process:
-                self._reqs_to_send[req_id] = expiration_time
-
-        # Send heartbeats to P-side engines to keep KV blocks alive while
-        # requests sit in the D scheduler WAITING queue.
-        self._send_heartbeats(metadata)
-
-        # Release what the requests registered above made releasable.
-        self._settle_producer_registrations(metadata)
 
 
 @amend("F3", ">=0.20.0,<0.24.0")
@@ -420,7 +190,7 @@ class NixlConnectorWorker:
     def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
         """Release what the requests registered by ``start_load_kv`` made releasable.
 
-        Runs at the end of ``start_load_kv``; costs O(requests in ``metadata``).
+        Runs whenever ``start_load_kv`` returns; costs O(requests in ``metadata``).
         """
         if not (
             metadata.reqs_in_batch
@@ -484,13 +254,7 @@ class NixlConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
+        return self._release_pulled_siblings(notified_req_ids)
 
 
 @amend("F3", ">=0.22.0,<0.24.0")
@@ -555,170 +319,4 @@ class NixlConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-                    # Its parallel-sampling siblings share the KV just pulled.
-                    if "_" in req_id:
-                        notified_req_ids |= self._release_best_of_siblings(req_id)
-        # Requests start_load_kv released when they registered.
-        if self._released_at_registration:
-            notified_req_ids |= self._pop_released_at_registration()
-        return notified_req_ids
-
-
-@add("F2", ">=0.20.0,<0.24.0")
-class BestOfSiblings:
-    """Parallel-sampling siblings of requests a NIXL producer's decoders pulled.
-
-    With ``n > 1`` the engine splits a prompt into siblings ``f"{i}_{parent}"``
-    (``ParentRequest.get_child_info``) that share the prompt's KV. The response
-    telling a decoder where that KV lives carries the ``kv_transfer_params`` of
-    one sibling only, so a decoder pulls one sibling and the producer held the
-    other ``n - 1`` until their expiry or lease ran out.
-
-    When a decoder pulled one sibling, the others are released with it: no
-    decoder can pull them, their block ids never left this engine. Releasing
-    KV that a decoder still reads corrupts its output, so a request only counts
-    as a sibling when all of these hold:
-
-    - its id has the exact shape ``f"{index}_{parent}"`` (decimal index
-      without leading zeros);
-    - while vLLM randomizes request ids (the default), ``parent`` ends with the
-      ``-xxxxxxxx`` suffix that ``InputProcessor.assign_request_id`` appends, so
-      ids a client chose (``"2_job"``) never qualify;
-    - at least two siblings of ``parent`` are registered with this producer, so
-      a lone id of that shape releases nothing;
-    - it is registered to send (finished, its blocks kept for a decoder); one
-      still being scheduled is released once it registers to send.
-
-    ``enabled`` comes from ``kv_connector_extra_config["release_best_of_siblings"]``
-    (default: on, unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` lets client
-    ids reach the engine unchanged). Pulled parents are kept in a FIFO of
-    ``limit`` entries; a forgotten one falls back to the expiry or lease.
-    """
-
-    def __init__(self, enabled: bool, limit: int, randomized_ids: bool) -> None:
-        self.enabled = enabled
-        self.limit = limit
-        self.randomized_ids = randomized_ids
-        # Parents a decoder pulled through one of their siblings, oldest first.
-        self.pulled_parents: OrderedDict[str, None] = OrderedDict()
-
-    def split(self, req_id: str) -> tuple[int, str] | None:
-        """``(index, parent)`` if ``req_id`` is shaped like a sibling, else None."""
-        index, sep, parent = req_id.partition("_")
-        # At most 6 digits: n < 10**6, and int() of a long client-chosen index
-        # must stay cheap (it raises beyond 4300 digits).
-        if not (sep and parent and index.isascii() and index.isdecimal()):
-            return None
-        if len(index) > 6 or (len(index) > 1 and index[0] == "0"):
-            return None
-        if self.randomized_ids and not (
-            len(parent) > 9
-            and parent[-9] == "-"
-            and not parent[-8:].strip("0123456789abcdef")
-        ):
-            return None
-        return int(index), parent
-
-    def pulled(self, req_id: str, registered: Collection[str]) -> list[str]:
-        """A decoder pulled ``req_id``: its siblings among ``registered``.
-
-        Siblings are looked up by index, up to one past the highest index seen,
-        so O(n). If any is found the parent is remembered, and its siblings that
-        register to send later are returned by ``late``.
-        """
-        split = self.split(req_id) if self.enabled else None
-        if split is None:
-            return []
-        index, parent = split
-        # Siblings 0..n-1 register together: an index beyond the number of
-        # registered requests belongs to no live group (and must not make a
-        # client-chosen id cost a long search).
-        if index > len(registered):
-            return []
-        siblings = []
-        last, i = index, 0
-        while i <= last + 1:
-            sibling = f"{i}_{parent}"
-            if i != index and sibling in registered:
-                siblings.append(sibling)
-                last = max(last, i)
-            i += 1
-        if siblings:
-            self.pulled_parents[parent] = None
-            if len(self.pulled_parents) > self.limit:
-                self.pulled_parents.popitem(last=False)
-        return siblings
-
-    def late(self, registered_to_send: Iterable[str]) -> list[str]:
-        """The requests among ``registered_to_send`` whose parent was pulled."""
-        if not self.pulled_parents:
-            return []
-        late = []
-        for req_id in registered_to_send:
-            split = self.split(req_id) if "_" in req_id else None
-            if split is not None and split[1] in self.pulled_parents:
-                late.append(req_id)
-        return late
-
-
-@add("F3", ">=0.20.0,<0.24.0")
-class EarlyPullNotifications:
-    """Pull notifications for requests a NIXL producer has not registered yet.
-
-    A decoder's pull-complete notification can reach the producer before
-    ``start_load_kv`` registered the request. Such notifications are counted
-    here (``staged``: request -> (expected notifications, notifications so
-    far)) and move to the worker's counters when the request registers; a
-    request whose notifications were already complete is released when it
-    registers to send (``complete``).
-
-    At most ``limit`` requests are staged; the oldest is dropped first, and if
-    it registers after all it waits for its expiry or lease, like a request
-    whose notification was lost. The producer also remembers the requests that
-    registered recently, so that a notification for one it no longer holds
-    (expired, or a duplicate) is recognized as late and not staged.
-    """
-
-    # Bounds the cost of ``was_registered``, paid per unrecognized notification.
-    MAX_REMEMBERED_STEPS = 256
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.staged: OrderedDict[str, tuple[int, int]] = OrderedDict()
-        # Registered requests whose staged notifications were complete, waiting
-        # to register to send: request -> expected notifications.
-        self.complete: dict[str, int] = {}
-        # The request sets start_load_kv registered (``reqs_in_batch``), newest
-        # last: kept by reference, so remembering a step costs O(1).
-        self._registered: deque[AbstractSet[str]] = deque()
-        self._num_registered = 0
-
-    def registered(self, req_ids: AbstractSet[str]) -> None:
-        """Remember the requests of one ``start_load_kv``: about the last
-        ``limit`` requests of at most ``MAX_REMEMBERED_STEPS`` steps."""
-        if not req_ids:
-            return
-        self._registered.append(req_ids)
-        self._num_registered += len(req_ids)
-        while len(self._registered) > self.MAX_REMEMBERED_STEPS or (
-            self._num_registered - len(self._registered[0]) >= self.limit
-        ):
-            self._num_registered -= len(self._registered.popleft())
-
-    def was_registered(self, req_id: str) -> bool:
-        """Whether ``req_id`` registered recently (costs O(remembered steps))."""
-        return any(req_id in req_ids for req_ids in self._registered)
-
-    def stage(self, req_id: str, expected: int) -> str | None:
-        """Count one notification for ``req_id``.
-
-        Returns the request dropped to stay within ``limit``, if any.
-        """
-        dropped = None
-        _, count = self.staged.get(req_id, (expected, 0))
-        if not count and len(self.staged) >= self.limit:
-            dropped, _ = self.staged.popitem(last=False)
-        # Every reader reports the same expected count. Tuples of ints are not
-        # tracked by the garbage collector.
-        self.staged[req_id] = (expected, count + 1)
-        return dropped
+        return self._release_pulled_siblings(notified_req_ids)
