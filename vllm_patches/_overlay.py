@@ -16,6 +16,10 @@ An overlay module mirrors one upstream module (``vllm_patches/v1/core/x.py`` cha
     this file): one definition that different releases need in different files
     (an upstream module that was split) is written once. A definition may carry
     several ``@add`` markers, one per file and range.
+``@amend(fix, releases, into="../other.py", name="OldClass")`` on a class
+    A partial class written once for several layouts: in other releases its members
+    go to class ``name`` of another overlay's upstream module (where that state lived
+    before a class was split).
 
 ``releases`` is a PEP 440 specifier set (``">=0.18.0,<0.24.0"``). Where one upstream
 file needs different code in different releases, the variants sit side by side in
@@ -60,19 +64,22 @@ AMEND = "amend"
 ADD = "add"
 
 
-def _marker(kind: str, fix: str, releases: str,
-            into: str | None = None) -> Callable[[Definition], Definition]:
+def _marker(kind: str, fix: str, releases: str, into: str | None = None,
+            name: str | None = None) -> Callable[[Definition], Definition]:
     def mark(definition: Definition) -> Definition:
         markers = getattr(definition, "__vllm_patches__", ())
-        definition.__vllm_patches__ = (*markers, (kind, fix, releases, into))  # type: ignore[attr-defined]
+        marker = (kind, fix, releases, into, name)
+        definition.__vllm_patches__ = (*markers, marker)  # type: ignore[attr-defined]
         return definition
 
     return mark
 
 
-def amend(fix: str, releases: str) -> Callable[[Definition], Definition]:
-    """Replace or extend the upstream definition of the same name."""
-    return _marker(AMEND, fix, releases)
+def amend(fix: str, releases: str, into: str | None = None,
+          name: str | None = None) -> Callable[[Definition], Definition]:
+    """Replace or extend the upstream definition of the same name (of ``name``, for a
+    partial class; in the upstream module of the overlay ``into``, when given)."""
+    return _marker(AMEND, fix, releases, into, name)
 
 
 def add(fix: str, releases: str, into: str | None = None) -> Callable[[Definition], Definition]:

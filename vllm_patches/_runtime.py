@@ -435,7 +435,7 @@ def _plans(fixes: list[Fix], release: Version, root: Path, package: str) -> list
             nodes = [n for n in tree.body
                      if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
             node = nodes[chosen_definition.position]
-            assert node.name == chosen_definition.name, chosen_definition.source
+            assert node.name == chosen_definition.node.name.value, chosen_definition.source
             definitions.append(_definition(chosen_definition, node))
         depends = set()
         for statement in parsed.imports:
@@ -651,13 +651,19 @@ def _install_overlay(item: _OverlayPlan, skip: set[str]) -> list[Installed]:
         code = compile(ast.Module(body=[definition.node], type_ignores=[]), str(definition.source),
                        "exec", flags=flags, dont_inherit=True)
         name = definition.name
+        written = definition.node.name  # a partial class may amend a class of another name
         before = namespace.get(name, _MISSING)
+        shadowed = namespace.get(written, _MISSING)
         exec(code, namespace)  # noqa: S102 - the overlay's own code, in the upstream module
-        new = namespace[name]
+        new = namespace[written]
         if definition.kind == ADD:
             installed.append(Installed(definition.fix, module, name, new, "add"))
         elif definition.amends_class:
-            namespace[name] = before  # the partial class must not replace upstream's
+            # The partial class must not replace upstream's, nor bind its own name.
+            if shadowed is _MISSING:
+                del namespace[written]
+            else:
+                namespace[written] = shadowed
             installed += _amend_class(before, new, definition)
         else:
             _rebind(before, new, name)

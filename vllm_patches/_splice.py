@@ -41,10 +41,12 @@ class OverlayDefinition:
     source: Path  # the overlay file it is written in
     position: int  # its index among the top-level definitions of ``source``
     into: Path | None = None  # the overlay whose upstream module receives it, if not source
+    target: str | None = None  # the upstream class an @amend(..., name=...) partial amends
 
     @property
     def name(self) -> str:
-        return self.node.name.value
+        """The upstream name it replaces, amends or adds."""
+        return self.target or self.node.name.value
 
     def partial_members(self) -> set[str | None]:
         """Names of the members an amended class sets; {None} for anything else.
@@ -130,21 +132,22 @@ def _parse_definition(path: Path, node: cst.ClassDef | cst.FunctionDef,
                       position: int) -> list[OverlayDefinition]:
     markers = [d for d in node.decorators if _decorator_name(d) in MARKERS]
     kinds = {_decorator_name(d) for d in markers}
-    if not markers or (len(markers) > 1 and kinds != {ADD}):
+    if not markers or len(kinds) > 1:
         raise SpliceError(
-            f"{path}: {node.name.value} needs exactly one @amend(...) or @add(...) marker "
-            "(several only as @add(..., into=...))"
+            f"{path}: {node.name.value} needs @amend(...) or @add(...) markers of one kind"
         )
     bare = node.with_changes(decorators=[d for d in node.decorators if d not in markers])
     definitions = []
     for marker in markers:
-        args = _string_args(path, marker, ("fix", "releases"), optional=("into",))
+        args = _string_args(path, marker, ("fix", "releases"), optional=("into", "name"))
         into = (path.parent / args["into"]).resolve() if "into" in args else None
         if into is not None and not into.is_file():
             raise SpliceError(f"{path}: {node.name.value}: into={args['into']!r} is no overlay")
+        if "name" in args and (kinds != {AMEND} or not isinstance(node, cst.ClassDef)):
+            raise SpliceError(f"{path}: {node.name.value}: name= is for @amend partial classes")
         definitions.append(OverlayDefinition(
             kind=_decorator_name(marker), fix=args["fix"], releases=SpecifierSet(args["releases"]),
-            node=bare, source=path, position=position, into=into))
+            node=bare, source=path, position=position, into=into, target=args.get("name")))
     return definitions
 
 

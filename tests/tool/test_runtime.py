@@ -272,6 +272,24 @@ def test_a_definition_added_into_another_overlay_file_is_installed_there(fake):
     assert not hasattr(fake.get("core.other"), "shared")
 
 
+def test_a_partial_class_of_another_name_amends_the_named_class(fake):
+    fake.module("core.worker", WORKER)
+    fake.overlay("core/base.py", '''\
+        from vllm_patches._overlay import amend
+
+
+        @amend("F1", ">=0.20", into="worker.py", name="Worker")
+        class BaseWorker:
+            def step(self):
+                return self.x * 100
+        ''')
+    fake.overlay("core/worker.py", "from vllm_patches._overlay import amend\n")
+    fake.install([make_fix("F1", ["core/base.py", "core/worker.py"])])
+    worker = fake.get("core.worker")
+    assert worker.Worker().step() == 100
+    assert not hasattr(worker, "BaseWorker"), "the partial class binds no name of its own"
+
+
 def test_tracebacks_point_at_the_overlay(worker):
     worker.install([make_fix("F1", ["core/worker.py"])])
     code = worker.get("core.worker").Worker.step.__code__

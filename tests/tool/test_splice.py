@@ -230,9 +230,30 @@ def test_one_definition_is_added_into_the_files_each_release_needs(tmp_path):
     assert Overlay.parse(home, files).select(["F1"], Version("0.19.0")) == []
 
 
+def test_a_partial_class_is_written_once_for_a_class_of_another_name(tmp_path):
+    home, old = tmp_path / "base.py", tmp_path / "worker.py"
+    home.write_text(textwrap.dedent('''\
+        from vllm_patches._overlay import amend
+
+
+        @amend("F1", ">=0.20")
+        @amend("F1", "<0.20", into="worker.py", name="Worker")
+        class BaseWorker:
+            def forget(self):
+                return self.x
+        '''))
+    old.write_text("from vllm_patches._overlay import amend\n")
+    received = Overlay.parse(old, [home, old])
+    (definition,) = received.select(["F1"], Version("0.19.0"))
+    assert definition.name == "Worker" and definition.source == home
+    result = splice(UPSTREAM, [definition], received.imports, old)
+    assert "    def forget(self):\n        return self.x\n\n\ndef helper(a):" in result
+    assert "BaseWorker" not in result
+
+
 @pytest.mark.parametrize(("markers", "error"), [
     ('@add("F1", ">=0.18", into="nowhere.py")', "into='nowhere.py' is no overlay"),
-    ('@amend("F1", ">=0.20")\n@add("F1", "<0.20")', "several only as @add"),
+    ('@amend("F1", ">=0.20")\n@add("F1", "<0.20")', "markers of one kind"),
 ])
 def test_bad_markers_are_refused(tmp_path, markers, error):
     with pytest.raises(SpliceError, match=error):
@@ -270,7 +291,8 @@ def test_later_fix_in_series_order_wins(tmp_path):
 @pytest.mark.parametrize("body, message", [
     ('@amend("F1", ">=0.18")\nclass Missing:\n    pass\n', "upstream has no such definition"),
     ('@add("F1", ">=0.18")\ndef helper(a):\n    pass\n', "already defines it"),
-    ('@amend("F1", ">=0.18")\n@amend("F1", ">=0.18")\ndef helper(a):\n    pass\n', "exactly one"),
+    ('@amend("F1", ">=0.18")\n@amend("F1", ">=0.18")\ndef helper(a):\n    pass\n', "two variants"),
+    ('@amend("F1", ">=0.18", name="Worker")\ndef helper(a):\n    pass\n', "name= is for @amend partial"),
     ('@amend("F1", ">=0.18")\ndef helper(a):\n    pass\n@amend("F1", ">=0.21")\ndef helper(a):\n    pass\n',
      "two variants"),
 ])

@@ -26,8 +26,12 @@ from vllm_patches._overlay import add, amend, call_at_end_of
 
 
 @amend("F2", ">=0.24.0,<0.34.0")
+@amend("F2", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+@amend(
+    "F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
+)
 class NixlBaseConnectorWorker:
-    """F2: state and release helpers of the pull worker."""
+    """F2: state and release helpers (every layout)."""
 
     # Requests start_load_kv released, reported by the next _get_new_notifs. The
     # class-level empty default serves workers built without __init__ (tests).
@@ -92,6 +96,11 @@ class NixlBaseConnectorWorker:
             self._released_at_registration = set()
         return released
 
+
+@amend("F2", ">=0.24.0,<0.34.0")
+class NixlBaseConnectorWorker:
+    """F2: subclasses own the notification counters."""
+
     def _forget_sent_req(self, req_id: ReqId) -> None:
         """Drop a request whose KV this worker no longer holds from its
         bookkeeping. Subclasses own the notification counters."""
@@ -99,8 +108,12 @@ class NixlBaseConnectorWorker:
 
 
 @amend("F3", ">=0.24.0,<0.34.0")
+@amend("F3", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+@amend(
+    "F3", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
+)
 class NixlBaseConnectorWorker:
-    """F3: state and settle helpers of the pull worker."""
+    """F3: staging state and settling (every layout)."""
 
     @call_at_end_of("__init__")
     def _init_early_pull_notifications(self) -> None:
@@ -159,6 +172,7 @@ class NixlBaseConnectorWorker:
                 self._forget_sent_req(req_id)
                 siblings = self._release_best_of_siblings(req_id)
                 self._released_at_registration |= {req_id, *siblings}
+
 
 @add("F2", ">=0.24.0,<0.34.0")
 @add("F2", ">=0.20.0,<0.24.0", into="worker.py")

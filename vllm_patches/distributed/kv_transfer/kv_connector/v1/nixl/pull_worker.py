@@ -46,8 +46,12 @@ class NixlPullConnectorWorker:
 
 
 @amend("F2", ">=0.24.0,<0.34.0")
+@amend("F2", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+@amend(
+    "F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
+)
 class NixlPullConnectorWorker:
-    """F2: the hooks into start_load_kv and _get_new_notifs."""
+    """F2: hooks into start_load_kv and _get_new_notifs (every layout)."""
 
     @call_at_end_of("start_load_kv")
     def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
@@ -77,8 +81,12 @@ class NixlPullConnectorWorker:
 
 
 @amend("F3", ">=0.24.0,<0.34.0")
+@amend("F3", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+@amend(
+    "F3", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
+)
 class NixlPullConnectorWorker:
-    """F3: settle staged notifications when requests register."""
+    """F3: settle staged notifications on registration (every layout)."""
 
     def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
         """Release what the requests registered by ``start_load_kv`` made releasable.
