@@ -44,10 +44,16 @@ def measure(payload: dict) -> dict:
         current = [f"req-{step}-{i}" for i in range(batch)]
         for req_id in previous:
             producer.notify(req_id)
+        # The worker gets the scheduler's metadata deserialized: its request ids
+        # are string objects of its own, freed when the worker's bookkeeping
+        # drops them (this loop's lists must not keep them alive).
+        in_batch = [f"req-{step}-{i}" for i in range(batch)]
+        to_send = [f"req-{step}-{i}" for i in range(batch)]
         started = time.perf_counter_ns()
-        producer.step(in_batch=current, to_send=current)
+        producer.step(in_batch=in_batch, to_send=to_send)
         producer.finished_sending()
         elapsed = time.perf_counter_ns() - started
+        del in_batch, to_send
         if step >= WARMUP:
             timings.append(elapsed)
         previous = current

@@ -220,6 +220,7 @@ def run(producer, model: Model, program) -> None:
             assert len(early.staged) <= model.limit
             staged = [(r, count) for r, (_, count) in early.staged.items()]
             assert staged == list(model.staged.items())
+            assert early._staged_ids == set(early.staged), "the lookup set drifted"
 
     def send_notifications(req_id: str, times: int) -> None:
         req = model.reqs[req_id]

