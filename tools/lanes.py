@@ -50,7 +50,9 @@ REPO = Path(__file__).resolve().parent.parent
 BUILD = Path(os.environ.get("VLLM_PATCHES_BUILD") or REPO / "build").resolve()
 TORCH = "torch==2.13.0"  # the CPU build this machine's pip takes from local disk
 # Test-only packages vLLM's test trees import, beyond the release's requirements.
-TEST_PACKAGES = ["pytest", "pytest-reportlog", "hypothesis", "tblib", "pytest-asyncio", "httpx"]
+# ray (with msgpack): upstream's test_nixl_connector.py imports it at module level.
+TEST_PACKAGES = ["pytest", "pytest-reportlog", "hypothesis", "tblib", "pytest-asyncio", "httpx",
+                 "ray"]
 # xgrammar pulls triton (1 GB) that no CPU test needs: installed without deps.
 NO_DEPS = {"xgrammar"}
 NO_DEPS_EXTRA = ["apache-tvm-ffi"]
