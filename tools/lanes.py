@@ -123,17 +123,29 @@ def platform_dist_info(release: Version, root: Path) -> Path:
     return root
 
 
+def offline_hf_home() -> Path:
+    """tools/hf_home (configs and a tokenizer stub, see its README) copied into the build,
+    where the hub client may write; copied again whenever tools/hf_home changes."""
+    source, target = REPO / "tools" / "hf_home", BUILD / "hf_home"
+    digest = hashlib.sha256()
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(source)).encode() + b"\0" + path.read_bytes())
+    stamp = BUILD / "hf_home.sha256"
+    if not (target.is_dir() and stamp.is_file() and stamp.read_text() == digest.hexdigest()):
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target)
+        stamp.write_text(digest.hexdigest())
+    return target
+
+
 def vllm_test_env(tree: Path, dist_root: Path) -> dict[str, str]:
     """The environment that runs a vLLM source tree's Python on CPU, offline."""
-    hf_home = BUILD / "hf_home"
-    if not hf_home.exists():
-        shutil.copytree(REPO / "tools" / "hf_home", hf_home)
     return {
         **os.environ,
         "PYTHONPATH": f"{tree}{os.pathsep}{dist_root}",
         "VLLM_TARGET_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
-        "HF_HOME": str(hf_home),
+        "HF_HOME": str(offline_hf_home()),
         "TRANSFORMERS_OFFLINE": "1",
         # The package sits in the lane venv for runtime mode; elsewhere its plugin is off.
         "VLLM_PATCHES_DISABLE": "1",
