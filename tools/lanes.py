@@ -7,7 +7,9 @@ For each lane (a release with generated patches):
      ``vllm-patches apply`` (the command users run);
   3. copy the fix tests into both, at their upstream paths;
   4. stock: every test a fix lists in ``stock_fails`` must fail, the others pass;
-  5. patched: the fix tests and upstream's own suites for the changed code pass;
+  5. patched: the fix tests and upstream's own suites for the changed code pass, less the
+     upstream tests a fix deselects for the release (``[[deselect]]``, each with its
+     reason; each entry must match a test);
   6. for fixes already upstream in the release, their bug reproductions pass on stock;
   7. runtime mode: this package is installed into the lane venv (as a wheel, the way
      users install it), and the fix tests run on the *stock* tree once more with
@@ -48,7 +50,9 @@ REPO = Path(__file__).resolve().parent.parent
 BUILD = Path(os.environ.get("VLLM_PATCHES_BUILD") or REPO / "build").resolve()
 TORCH = "torch==2.13.0"  # the CPU build this machine's pip takes from local disk
 # Test-only packages vLLM's test trees import, beyond the release's requirements.
-TEST_PACKAGES = ["pytest", "pytest-reportlog", "hypothesis", "tblib", "pytest-asyncio", "httpx"]
+# ray (with msgpack): upstream's test_nixl_connector.py imports it at module level.
+TEST_PACKAGES = ["pytest", "pytest-reportlog", "hypothesis", "tblib", "pytest-asyncio", "httpx",
+                 "ray"]
 # xgrammar pulls triton (1 GB) that no CPU test needs: installed without deps.
 NO_DEPS = {"xgrammar"}
 NO_DEPS_EXTRA = ["apache-tvm-ffi"]
@@ -119,17 +123,29 @@ def platform_dist_info(release: Version, root: Path) -> Path:
     return root
 
 
+def offline_hf_home() -> Path:
+    """tools/hf_home (configs and a tokenizer stub, see its README) copied into the build,
+    where the hub client may write; copied again whenever tools/hf_home changes."""
+    source, target = REPO / "tools" / "hf_home", BUILD / "hf_home"
+    digest = hashlib.sha256()
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(source)).encode() + b"\0" + path.read_bytes())
+    stamp = BUILD / "hf_home.sha256"
+    if not (target.is_dir() and stamp.is_file() and stamp.read_text() == digest.hexdigest()):
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target)
+        stamp.write_text(digest.hexdigest())
+    return target
+
+
 def vllm_test_env(tree: Path, dist_root: Path) -> dict[str, str]:
     """The environment that runs a vLLM source tree's Python on CPU, offline."""
-    hf_home = BUILD / "hf_home"
-    if not hf_home.exists():
-        shutil.copytree(REPO / "tools" / "hf_home", hf_home)
     return {
         **os.environ,
         "PYTHONPATH": f"{tree}{os.pathsep}{dist_root}",
         "VLLM_TARGET_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
-        "HF_HOME": str(hf_home),
+        "HF_HOME": str(offline_hf_home()),
         "TRANSFORMERS_OFFLINE": "1",
         # The package sits in the lane venv for runtime mode; elsewhere its plugin is off.
         "VLLM_PATCHES_DISABLE": "1",
@@ -170,9 +186,10 @@ ACTIVATION_LINE = re.compile(r"^vllm-patches(:| on vLLM) .*$", re.MULTILINE)
 
 
 def run_pytest(python: Path, tree: Path, dist_root: Path, tests: list[str],
-               deselect: list[str], report: Path, runtime: str | None = None) -> int:
+               deselect: list[str], report: Path, runtime: str | None = None) -> tuple[int, str]:
     """Run ``tests`` in ``tree``; ``runtime`` "on"/"off": load vLLM's general plugins at
-    session start (runtime mode) with the vllm_patches plugin enabled or disabled."""
+    session start (runtime mode) with the vllm_patches plugin enabled or disabled.
+    Returns pytest's exit code and its summary line."""
     env = vllm_test_env(tree, dist_root)
     plugin = []
     if runtime is not None:
@@ -190,7 +207,7 @@ def run_pytest(python: Path, tree: Path, dist_root: Path, tests: list[str],
         report.with_suffix(".activation").write_text(activation.group(0))
     if proc.returncode not in (0, 1):
         sys.stdout.write(proc.stdout[-6000:] + proc.stderr[-3000:])
-    return proc.returncode
+    return proc.returncode, summary[0]
 
 
 def outcomes(report_log: Path) -> dict[str, str]:
@@ -269,14 +286,24 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
 
     upstream = [] if skip_upstream else [
         t for fix in fixes for t in fix.upstream_tests if (patched / t.split("::")[0]).exists()]
-    deselect = [node for fix in fixes for node in fix.deselect]
+    # Deselects of the upstream files this run holds (a release may lack a file).
+    upstream_files = {t.split("::")[0] for t in upstream}
+    deselect = list(dict.fromkeys(node for fix in fixes for node in fix.deselected(release)
+                                  if node.split("::")[0] in upstream_files))
     tests = list(dict.fromkeys(fix_tests + upstream))
     if tests:
         report = lane_dir / "patched" / "report.jsonl"
-        code = run_pytest(python, patched, dist_root, tests, deselect, report)
+        code, summary = run_pytest(python, patched, dist_root, tests, deselect, report)
         failed = [n for n, o in outcomes(report).items() if o == "failed"]
         if code != 0:
             problems.append(f"v{release} patched: pytest exit {code}; failed: {', '.join(failed) or '-'}")
+        # pytest ignores a --deselect that matches no test: a renamed upstream test or
+        # parameter would leave a stale entry behind without this count.
+        deselected = re.search(r"(\d+) deselected", summary)
+        if len(deselect) != (int(deselected.group(1)) if deselected else 0):
+            problems.append(f"v{release} patched: {len(deselect)} deselect entries, but "
+                            f"pytest deselected {deselected.group(1) if deselected else 0}: "
+                            "an entry names no test of this release")
     return problems
 
 
@@ -287,7 +314,7 @@ def run_runtime_mode(release: Version, python: Path, stock: Path, dist_root: Pat
     report.parent.mkdir(parents=True, exist_ok=True)
     report.with_suffix(".activation").unlink(missing_ok=True)
     fix_tests = [t for fix in fixes for t in fix.tests]
-    code = run_pytest(python, stock, dist_root, fix_tests, [], report, runtime="on")
+    code, _ = run_pytest(python, stock, dist_root, fix_tests, [], report, runtime="on")
     problems = []
     failed = [n for n, o in outcomes(report).items() if o == "failed"] if report.exists() else []
     if code != 0:

@@ -24,6 +24,32 @@ UPSTREAM_PACKAGE = "vllm"
 
 
 @dataclass(frozen=True)
+class Deselect:
+    """An upstream test left out of a fix's lane runs, for some releases, and why."""
+
+    node: str
+    releases: SpecifierSet
+    why: str
+
+    @classmethod
+    def load_all(cls, entries: object, path: Path) -> tuple[Deselect, ...]:
+        """``[[deselect]]`` tables: ``node``, ``why`` and optional ``releases`` (a PEP 440
+        specifier; every release when absent)."""
+        if not isinstance(entries, list):
+            raise TypeError(f"{path}: deselect must be an array of tables ([[deselect]])")
+        result = []
+        for entry in entries:
+            if not isinstance(entry, dict) or entry.keys() - {"node", "releases", "why"}:
+                raise ValueError(f"{path}: deselect entry {entry!r}: keys are node, releases, why")
+            result.append(cls(node=entry["node"], releases=SpecifierSet(entry.get("releases", "")),
+                              why=entry["why"].strip()))
+        return tuple(result)
+
+    def applies(self, release: Version) -> bool:
+        return release in self.releases
+
+
+@dataclass(frozen=True)
 class Fix:
     """One fix of the series, as its metadata file declares it."""
 
@@ -42,7 +68,7 @@ class Fix:
     tests: tuple[str, ...]
     stock_fails: tuple[str, ...]
     upstream_tests: tuple[str, ...]
-    deselect: dict[str, str]
+    deselect: tuple[Deselect, ...]
 
     @classmethod
     def load(cls, path: Path) -> Fix:
@@ -63,7 +89,7 @@ class Fix:
             tests=tuple(data["tests"]),
             stock_fails=tuple(data["stock_fails"]),
             upstream_tests=tuple(data.get("upstream_tests", ())),
-            deselect=dict(data.get("deselect", {})),
+            deselect=Deselect.load_all(data.get("deselect", []), path),
         )
 
     @property
@@ -77,6 +103,10 @@ class Fix:
     def upstream_path(overlay: str) -> str:
         """The upstream file an overlay mirrors, relative to a vLLM checkout."""
         return f"{UPSTREAM_PACKAGE}/{overlay}"
+
+    def deselected(self, release: Version) -> list[str]:
+        """The upstream test node ids left out of ``release``'s lane run."""
+        return [entry.node for entry in self.deselect if entry.applies(release)]
 
     def is_upstream(self, release: Version) -> bool:
         return self.upstream_since is not None and release >= self.upstream_since

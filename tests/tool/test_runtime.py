@@ -113,7 +113,7 @@ def make_fix(fix_id: str, overlays: list[str], releases: str = ">=0.18.0,<0.24.0
                how="h", bug="", pr="", releases=SpecifierSet(releases),
                upstream_since=Version(upstream_since) if upstream_since else None,
                future="f", overlays=tuple(overlays), tests=(), stock_fails=(), upstream_tests=(),
-               deselect={})
+               deselect=())
 
 
 class Fake:

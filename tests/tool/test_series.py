@@ -102,3 +102,49 @@ def test_each_lane_has_one_patch_per_needed_fix(release):
     for fix in SERIES.fixes:
         if fix not in needed:
             assert f"# {fix.name}: {fix.verdict(release)}" in text
+
+
+# Every release a fix's range or a deselect's range can name (vLLM is 0.x: 0.0.0 .. 0.99.9).
+VERSION_GRID = [Version(f"0.{minor}.{patch}") for minor in range(100) for patch in range(10)]
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
+def test_deselects_say_why_and_name_upstream_tests_of_needed_releases(fix):
+    upstream_files = {test.split("::")[0] for test in fix.upstream_tests}
+    needed = [v for v in VERSION_GRID if fix.verdict(v) is None]
+    for entry in fix.deselect:
+        assert len(entry.why.split()) >= 3, f"{entry.node}: say why it is deselected"
+        path, _, name = entry.node.partition("::")
+        assert name, f"{entry.node}: deselect test nodes, not whole files"
+        assert path in upstream_files, f"{entry.node}: not under {fix.id}'s upstream_tests"
+        assert any(v in entry.releases for v in needed), (
+            f"{entry.node}: releases {entry.releases} meet none of {fix.id}'s {fix.releases}")
+    for version in needed:  # one entry per node and release, so each says one why
+        nodes = [entry.node for entry in fix.deselect if version in entry.releases]
+        assert len(nodes) == len(set(nodes)), f"v{version}: a node deselected twice"
+
+
+def test_deselect_is_an_array_of_tables_scoped_by_release(tmp_path):
+    base = (_series.PACKAGE_DIR / "fixes" / "F1.toml").read_text()
+    node = "tests/v1/core/test_prefix_caching.py::test_x[a]"
+    path = tmp_path / "F9.toml"
+    path.write_text(base + f'''
+[[deselect]]
+node = "{node}"
+releases = ">=0.21.0,<0.23.0"
+why = "needs an accelerator"
+
+[[deselect]]
+node = "{node.replace('[a]', '[b]')}"
+why = "loads real model weights"
+''')
+    fix = _series.Fix.load(path)
+    assert fix.deselect[0].why == "needs an accelerator"
+    assert fix.deselected(Version("0.18.1")) == [node.replace("[a]", "[b]")]
+    assert fix.deselected(Version("0.21.0")) == [node, node.replace("[a]", "[b]")]
+    path.write_text(base + f'deselect = {{"{node}" = "the old format"}}\n')
+    with pytest.raises(TypeError, match="array of tables"):
+        _series.Fix.load(path)
+    path.write_text(base + f'[[deselect]]\nnode = "{node}"\nwhy = "w"\nrelease = ">=0.21"\n')
+    with pytest.raises(ValueError, match="keys are node, releases, why"):
+        _series.Fix.load(path)
