@@ -39,6 +39,7 @@ from __future__ import annotations
 import __future__
 
 import ast
+import copy
 import dataclasses
 import functools
 import importlib
@@ -421,6 +422,9 @@ def _plans(fixes: list[Fix], release: Version, root: Path, package: str) -> list
     ids = [fix.id for fix in fixes]
     plans = []
     overlays = list(dict.fromkeys(o for fix in fixes for o in fix.overlays))
+    # Each overlay file is parsed once: definitions shared by @add/@amend(into=...)
+    # are written in one file and installed from it into several modules.
+    top_level: dict[Path, list[ast.stmt]] = {}
     for overlay in overlays:
         path = root / overlay
         parsed = Overlay.parse(path, [root / other for other in overlays])
@@ -429,13 +433,14 @@ def _plans(fixes: list[Fix], release: Version, root: Path, package: str) -> list
             continue
         definitions = []
         for chosen_definition in chosen:
-            # A fresh syntax tree per definition: _definition strips its decorators.
-            tree = ast.parse(chosen_definition.source.read_text(),
-                             filename=str(chosen_definition.source))
-            nodes = [n for n in tree.body
-                     if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-            node = nodes[chosen_definition.position]
-            assert node.name == chosen_definition.node.name.value, chosen_definition.source
+            source = chosen_definition.source
+            if source not in top_level:
+                tree = ast.parse(source.read_text(), filename=str(source))
+                top_level[source] = [n for n in tree.body if isinstance(
+                    n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+            # A copy: _definition strips markers from the node it is given.
+            node = copy.deepcopy(top_level[source][chosen_definition.position])
+            assert node.name == chosen_definition.node.name.value, source
             definitions.append(_definition(chosen_definition, node))
         depends = set()
         for statement in parsed.imports:
