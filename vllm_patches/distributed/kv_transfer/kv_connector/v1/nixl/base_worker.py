@@ -302,7 +302,11 @@ class EarlyPullNotifications:
     it registers after all it waits for its expiry or lease, like a request
     whose notification was lost. The producer also remembers the requests that
     registered recently, so that a notification for one it no longer holds
-    (expired, or a duplicate) is recognized as late and not staged.
+    (expired, or a duplicate) is recognized as late and not staged. Recently
+    means the last ``limit`` registrations of at most ``MAX_REMEMBERED_STEPS``
+    steps: a notification for a request that expired after more registrations
+    than that (480 s at more than about 17 requests/s) is staged instead of
+    logged as late, and dropped with a warning once evicted.
     """
 
     # Bounds the cost of ``was_registered``, paid per unrecognized notification.

@@ -72,9 +72,14 @@ class NixlPullConnectorWorker:
         """Add to the requests ``_get_new_notifs`` releases their parallel-sampling
         siblings (the KV a decoder pulled is theirs too) and the requests
         ``start_load_kv`` released when they registered."""
-        pulled = [req_id for req_id in notified_req_ids if "_" in req_id]
-        for req_id in pulled:
-            notified_req_ids |= self._release_best_of_siblings(req_id, notified_req_ids)
+        # Most steps release no sibling-shaped id; one search of the joined ids
+        # (in C) says so for about a third of the cost of testing each id.
+        if "_" in "".join(notified_req_ids):
+            pulled = [req_id for req_id in notified_req_ids if "_" in req_id]
+            for req_id in pulled:
+                notified_req_ids |= self._release_best_of_siblings(
+                    req_id, notified_req_ids
+                )
         if self._released_at_registration:
             notified_req_ids |= self._pop_released_at_registration()
         return notified_req_ids
