@@ -75,9 +75,10 @@ def release_of(tree: Path) -> str:
     return str(_releases.detect_release(tree))
 
 
-def child_env(tree: Path, dist_root: Path) -> dict[str, str]:
+def child_env(tree: Path, dist_root: Path, hash_seed: int) -> dict[str, str]:
     return {
         **os.environ,
+        "PYTHONHASHSEED": str(hash_seed),
         "PYTHONPATH": f"{tree}{os.pathsep}{dist_root}",
         "VLLM_TARGET_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
@@ -118,19 +119,23 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_children(script: str, python: str, trees: dict[str, Path], release: str,
                  payload: dict, rounds: int) -> dict[str, list[dict]]:
-    """Run ``script --measure payload`` in each tree, alternating, ``rounds`` times."""
+    """Run ``script --measure payload`` in each tree, alternating, ``rounds`` times.
+
+    The trees of one round share a string hash seed, so their dicts and sets of
+    request ids lay out alike (collisions, probe lengths); rounds differ in it.
+    """
     results: dict[str, list[dict]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory() as dist_root:
         dist_info = Path(dist_root) / f"vllm-{release}+cpu.dist-info"
         dist_info.mkdir()
         (dist_info / "METADATA").write_text(
             f"Metadata-Version: 2.1\nName: vllm\nVersion: {release}+cpu\n")
-        for _ in range(rounds):
+        for hash_seed in range(1, rounds + 1):
             for name, tree in trees.items():
                 proc = subprocess.run(
                     [python, script, "--measure", json.dumps(payload)],
-                    env=child_env(tree, Path(dist_root)), cwd=tree, capture_output=True,
-                    text=True)
+                    env=child_env(tree, Path(dist_root), hash_seed), cwd=tree,
+                    capture_output=True, text=True)
                 if proc.returncode != 0:
                     sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
                     raise SystemExit(f"{name}: measurement failed")
