@@ -304,9 +304,10 @@ class EarlyPullNotifications:
     registered recently, so that a notification for one it no longer holds
     (expired, or a duplicate) is recognized as late and not staged. Recently
     means the last ``limit`` registrations of at most ``MAX_REMEMBERED_STEPS``
-    steps: a notification for a request that expired after more registrations
-    than that (480 s at more than about 17 requests/s) is staged instead of
-    logged as late, and dropped with a warning once evicted.
+    steps that registered any: a notification that comes after a 480 s expiry
+    is recognized only if fewer registered since (about one registering step
+    per 1.9 s, or 17 requests/s). Otherwise it is staged instead of logged as
+    late, and dropped with a warning once evicted.
     """
 
     # Bounds the cost of ``was_registered``, paid per unrecognized notification.
