@@ -128,11 +128,12 @@ def sort_imports(tree: Path, upstream_path: str, source: str) -> str:
 
 def check_formatted(tree: Path, upstream_path: str, source: str) -> None:
     """The spliced file must pass ``ruff format --check`` under the release's own config."""
-    proc = _ruff(tree, upstream_path, source, "format", "--check")
+    proc = _ruff(tree, upstream_path, source, "format", "--diff")
     if proc.returncode != 0:
+        # --diff prints what ruff would change (on stdout; errors on stderr).
         raise UserError(
             f"spliced {upstream_path} is not ruff-formatted under v{tree.name}'s config; "
-            "format the overlay: " + (proc.stderr or proc.stdout).strip().splitlines()[-1]
+            "format the overlay:\n" + (proc.stdout + proc.stderr).strip()[-2000:]
         )
 
 

@@ -341,6 +341,26 @@ def hook_parameters(hook: cst.FunctionDef) -> list[str]:
     return [param.name.value for param in hook.params.params[1:]]
 
 
+class _Reindent(cst.CSTTransformer):
+    """Indents every continuation line of an expression by four more spaces."""
+
+    def leave_ParenthesizedWhitespace(self, original, updated):
+        return updated.with_changes(
+            last_line=cst.SimpleWhitespace(updated.last_line.value + "    "))
+
+
+def _one_argument_per_line(call: cst.Call) -> cst.Call:
+    """``f(<multi-line arg>)`` the way ruff formats it: the argument on lines of its own,
+    four spaces deeper, and ``)`` back at the statement's indentation."""
+    (arg,) = call.args
+    def line(indent: str) -> cst.ParenthesizedWhitespace:
+        return cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(indent))
+    return call.with_changes(
+        whitespace_before_args=line("    "),
+        args=[arg.with_changes(value=arg.value.visit(_Reindent()),
+                               whitespace_after_arg=line(""))])
+
+
 class _ReturnRewriter(cst.CSTTransformer):
     """Rewrites the ``return`` statements of one function body, not of nested scopes."""
 
@@ -376,8 +396,14 @@ class _ReturnRewriter(cst.CSTTransformer):
             if statement.value is None:
                 raise SpliceError(f"{self.where}: a bare `return` can't pass a result through "
                                   "the hook")
+            result = statement.value
+            if isinstance(result, cst.Tuple) and not result.lpar:
+                # `return a, b` passes one tuple: `self.hook((a, b))`.
+                result = result.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
             value = cst.parse_expression(f"{self.call}(_)").with_changes(
-                args=[cst.Arg(statement.value)])
+                args=[cst.Arg(result)])
+            if "\n" in cst.Module([]).code_for_node(result):
+                value = _one_argument_per_line(value)
             return updated.with_changes(body=[*updated.body[:-1], statement.with_changes(
                 value=value, whitespace_after_return=cst.SimpleWhitespace(" "))])
         if statement.value is not None:

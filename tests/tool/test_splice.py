@@ -138,6 +138,9 @@ HOOKED = textwrap.dedent('''\
             if not found:
                 return found
             return {*found, nested()}
+
+        def finished(self):
+            return self.done, None
 ''')
 
 
@@ -184,6 +187,18 @@ def test_filter_result_of_wraps_every_returned_value(tmp_path):
     assert "        if not found:\n            return self._with_more(found)\n" in result
     assert "        return self._with_more({*found, nested()})\n" in result
     assert "        def nested():\n            return None\n" in result
+
+
+def test_filter_result_of_passes_a_bare_tuple_as_one_value(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @filter_result_of("finished")
+            def _seen(self, finished):
+                return finished
+        ''')
+    result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+    assert "        return self._seen((self.done, None))\n" in result
 
 
 @pytest.mark.parametrize(("marker", "target", "params", "error"), [
