@@ -135,3 +135,23 @@ def test_heartbeats_keep_working_next_to_staged_notifications(make_producer):
     producer.advance(producer.lease_extension)
     assert producer.finished_sending() == {"req-a"}
     assert producer.held() == set()
+
+
+def test_notification_after_expiry_never_counts_for_a_reused_id(make_producer):
+    """A notification that comes after its request expired is late, however many
+    requests registered since: it is not staged, so it cannot count toward a
+    later request with the same id (client-chosen ids reach the engine unchanged
+    when request id randomization is off) and release that one's KV unread."""
+    producer = make_producer()
+    producer.register("req-a")
+    producer.advance(2 * TTL)
+    assert producer.finished_sending() == {"req-a"}
+    for i in range(300):  # busy: more registering steps than any recent window
+        producer.register(f"busy-{i}")
+        producer.notify(f"busy-{i}")
+        assert producer.finished_sending() == {f"busy-{i}"}
+    producer.notify("req-a")
+    assert producer.finished_sending() == set()
+    producer.register("req-a")
+    assert producer.finished_sending() == set()
+    assert producer.held() == {"req-a"}

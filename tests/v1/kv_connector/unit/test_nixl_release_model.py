@@ -76,13 +76,18 @@ class Model:
     reqs: dict[str, Request] = field(default_factory=dict)
     staged: OrderedDict = field(default_factory=OrderedDict)  # req -> count
     complete: set = field(default_factory=set)  # registered, fully pulled early
-    # Request sets of recent registrations: about the last ``limit`` requests.
-    registered: list = field(default_factory=list)
+    # The last ``limit`` requests released (or aborted) other than by their own
+    # pull: a notification for one is late.
+    released_without_pull: OrderedDict = field(default_factory=OrderedDict)
+    pulled_now: set = field(default_factory=set)  # released by their own pull
     pulled_parents: set = field(default_factory=set)
     pending: set = field(default_factory=set)  # released by start_load_kv
 
-    def was_registered(self, req_id: str) -> bool:
-        return any(req_id in req_ids for req_ids in self.registered)
+    def remember_released_without_pull(self, req_ids) -> None:
+        for req_id in sorted(req_ids):
+            self.released_without_pull[req_id] = None
+        while len(self.released_without_pull) > self.limit:
+            self.released_without_pull.popitem(last=False)
 
     def held(self, req_id: str) -> bool:
         return self.reqs[req_id].state in ("batch", "send")
@@ -120,10 +125,7 @@ class Model:
                 req.expiry = self.now + TTL
                 finished.append(req_id)
         # Early notifications move to the counters at registration...
-        if in_batch:
-            self.registered.append(set(in_batch))
-            while sum(map(len, self.registered[1:])) >= self.limit:
-                self.registered.pop(0)
+        self.remember_released_without_pull(aborted)
         for req_id in aborted:
             self.staged.pop(req_id, None)
             self.complete.discard(req_id)
@@ -152,10 +154,11 @@ class Model:
         if req.state in ("batch", "send"):
             req.counted += 1
             if req.counted == req.consumers:
+                self.pulled_now.add(req_id)
                 return self.release(req_id, pulled=True)
-        elif not self.was_registered(req_id):
-            # Not held and not remembered as registered (always true for a new
-            # request; with a small limit also for one registered long ago).
+        elif req_id not in self.released_without_pull:
+            # Not held and not released without its pull (always true for a new
+            # request; with a small limit also for one released so long ago).
             if req_id not in self.staged and len(self.staged) >= self.limit:
                 event("staged notifications evicted")
                 self.staged.popitem(last=False)
@@ -215,6 +218,8 @@ def run(producer, model: Model, program) -> None:
             event("released at expiry")
         assert expected <= got, f"not released: {expected - got}"
         released.update(got)
+        model.remember_released_without_pull(got - model.pulled_now)
+        model.pulled_now = set()
         early = getattr(producer.worker, "_early_notifs", None)
         if early is not None:
             assert len(early.staged) <= model.limit

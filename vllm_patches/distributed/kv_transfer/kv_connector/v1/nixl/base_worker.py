@@ -22,7 +22,7 @@ from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
 
 from vllm import envs
-from vllm_patches._overlay import add, amend, call_at_end_of
+from vllm_patches._overlay import add, amend, call_at_end_of, filter_result_of
 
 
 @amend("F2", ">=0.24.0,<0.34.0")
@@ -151,7 +151,8 @@ class NixlBaseConnectorWorker:
         of the staged requests.
         """
         early = self._early_notifs
-        early.registered(metadata.reqs_in_batch)
+        if metadata.reqs_not_processed:
+            early.released_without_pull(metadata.reqs_not_processed)
         if early.staged:
             early.drop(metadata.reqs_not_processed)
             for req_id, (expected, count) in early.take(metadata.reqs_in_batch):
@@ -169,6 +170,38 @@ class NixlBaseConnectorWorker:
                 self._forget_sent_req(req_id)
                 siblings = self._release_best_of_siblings(req_id)
                 self._released_at_registration |= {req_id, *siblings}
+
+
+@amend("F3", ">=0.24.0,<0.30.0")
+@amend("F3", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+@amend(
+    "F3", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
+)
+class NixlBaseConnectorWorker:
+    """F3: late notifications, up to v0.29 (expiry inside get_finished)."""
+
+    @filter_result_of("get_finished")
+    def _remember_released_without_pull(
+        self, finished: tuple[set[str], set[str]]
+    ) -> tuple[set[str], set[str]]:
+        """Remember what get_finished released other than by a pull notification."""
+        self._early_notifs.released(finished[0])
+        return finished
+
+
+@amend("F3", ">=0.30.0,<0.34.0")
+class NixlBaseConnectorWorker:
+    """F3: late notifications, from v0.30 (get_transfer_results)."""
+
+    @filter_result_of("get_transfer_results")
+    def _remember_released_without_pull(
+        self, results: KVConnectorTransferResults
+    ) -> KVConnectorTransferResults:
+        """Remember what get_transfer_results released other than by a pull
+        notification."""
+        if results.finished_sending:
+            self._early_notifs.released(results.finished_sending)
+        return results
 
 
 @add("F2", ">=0.24.0,<0.34.0")
@@ -300,18 +333,18 @@ class EarlyPullNotifications:
 
     At most ``limit`` requests are staged; the oldest is dropped first, and if
     it registers after all it waits for its expiry or lease, like a request
-    whose notification was lost. The producer also remembers the requests that
-    registered recently, so that a notification for one it no longer holds
-    (expired, or a duplicate) is recognized as late and not staged. Recently
-    means the last ``limit`` registrations of at most ``MAX_REMEMBERED_STEPS``
-    steps that registered any: a notification that comes after a 480 s expiry
-    is recognized only if fewer registered since (about one registering step
-    per 1.9 s, or 17 requests/s). Otherwise it is staged instead of logged as
-    late, and dropped with a warning once evicted.
-    """
+    whose notification was lost.
 
-    # Bounds the cost of ``was_registered``, paid per unrecognized notification.
-    MAX_REMEMBERED_STEPS = 256
+    A notification for a request the producer released without that request's
+    own pull completing (expired or lease reaped, aborted, released as a
+    parallel-sampling sibling or at registration) is late, not early: it keeps
+    upstream's error and is not staged. The last ``limit`` such requests are
+    remembered. Few requests are released that way (nearly all by their pull),
+    so the check holds across an expiry of 480 s unless more than ``limit``
+    were since; remembering them costs nothing in a step that releases none. A
+    duplicate of a notification that completed a pull is staged like an early
+    one, and dropped with a warning once evicted.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -320,26 +353,34 @@ class EarlyPullNotifications:
         # Registered requests whose staged notifications were complete, waiting
         # to register to send: request -> expected notifications.
         self.complete: dict[str, int] = {}
-        # The request sets start_load_kv registered (``reqs_in_batch``), newest
-        # last: kept by reference, so remembering a step costs O(1).
-        self._registered: deque[AbstractSet[str]] = deque()
-        self._num_registered = 0
+        # Requests released without their pull completing, oldest first.
+        self._released_without_pull: OrderedDict[str, None] = OrderedDict()
+        # The requests this step's pull notifications released (a copy: the
+        # release path adds expired and other requests to the same set).
+        self._pulled: AbstractSet[str] = frozenset()
 
-    def registered(self, req_ids: AbstractSet[str]) -> None:
-        """Remember the requests of one ``start_load_kv``: about the last
-        ``limit`` requests of at most ``MAX_REMEMBERED_STEPS`` steps."""
-        if not req_ids:
-            return
-        self._registered.append(req_ids)
-        self._num_registered += len(req_ids)
-        while len(self._registered) > self.MAX_REMEMBERED_STEPS or (
-            self._num_registered - len(self._registered[0]) >= self.limit
-        ):
-            self._num_registered -= len(self._registered.popleft())
+    def pulled(self, req_ids: AbstractSet[str]) -> None:
+        """Note the requests ``_get_new_notifs`` released by their notifications."""
+        self._pulled = frozenset(req_ids) if req_ids else frozenset()
 
-    def was_registered(self, req_id: str) -> bool:
-        """Whether ``req_id`` registered recently (costs O(remembered steps))."""
-        return any(req_id in req_ids for req_ids in self._registered)
+    def released(self, done_sending: AbstractSet[str]) -> None:
+        """The worker reports ``done_sending`` released: remember those not
+        released by this step's pull notifications (costs O(1) when none)."""
+        if len(done_sending) != len(self._pulled):
+            self.released_without_pull(done_sending - self._pulled)
+        self._pulled = frozenset()
+
+    def released_without_pull(self, req_ids: Iterable[str]) -> None:
+        """Remember requests released (or aborted) without their pull completing."""
+        # Sorted: which of several is forgotten first must not depend on hashing.
+        for req_id in sorted(req_ids):
+            self._released_without_pull[req_id] = None
+        while len(self._released_without_pull) > self.limit:
+            self._released_without_pull.popitem(last=False)
+
+    def is_late(self, req_id: str) -> bool:
+        """Whether a notification for ``req_id`` (not held) comes too late."""
+        return req_id in self._released_without_pull
 
     def stage(self, req_id: str, expected: int) -> str | None:
         """Count one notification for ``req_id``.

@@ -147,7 +147,7 @@ class NixlPullConnectorWorker:
                     req_id not in self._reqs_to_send
                     and req_id not in self._reqs_to_process
                 ):
-                    if not self._early_notifs.was_registered(req_id):
+                    if not self._early_notifs.is_late(req_id):
                         # The pull raced start_load_kv: count it until the
                         # request registers to send.
                         self._stage_early_notif(req_id, consumers_per_producer)
@@ -170,6 +170,7 @@ class NixlPullConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
+        self._early_notifs.pulled(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -202,7 +203,7 @@ class NixlPullConnectorWorker:
                     req_id not in self._reqs_to_send
                     and req_id not in self._reqs_to_process
                 ):
-                    if not self._early_notifs.was_registered(req_id):
+                    if not self._early_notifs.is_late(req_id):
                         # The pull raced start_load_kv: count it until the
                         # request registers to send.
                         self._stage_early_notif(req_id, int(expected_consumers))
@@ -233,6 +234,7 @@ class NixlPullConnectorWorker:
                     del self.expected_consumer_notifications_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
+        self._early_notifs.pulled(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -264,7 +266,7 @@ class NixlPullConnectorWorker:
                     req_id not in self._reqs_to_send
                     and req_id not in self._reqs_to_process
                 ):
-                    if not self._early_notifs.was_registered(req_id):
+                    if not self._early_notifs.is_late(req_id):
                         # The pull raced start_load_kv: count it until the
                         # request registers to send.
                         self._stage_early_notif(req_id, int(expected_consumers))
@@ -295,6 +297,7 @@ class NixlPullConnectorWorker:
                     del self.expected_consumer_notifications_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
+        self._early_notifs.pulled(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -327,7 +330,7 @@ class NixlPullConnectorWorker:
                     and req_id not in self._reqs_to_process
                 ):
                     self.xfer_stats.record_notification_after_expiry()
-                    if not self._early_notifs.was_registered(req_id):
+                    if not self._early_notifs.is_late(req_id):
                         # The pull raced start_load_kv: count it until the
                         # request registers to send.
                         self._stage_early_notif(req_id, int(expected_consumers))
@@ -358,4 +361,5 @@ class NixlPullConnectorWorker:
                     del self.expected_consumer_notifications_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
+        self._early_notifs.pulled(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)

@@ -64,7 +64,7 @@ class NixlConnectorWorker:
                     req_id not in self._reqs_to_send
                     and req_id not in self._reqs_to_process
                 ):
-                    if not self._early_notifs.was_registered(req_id):
+                    if not self._early_notifs.is_late(req_id):
                         # The pull raced start_load_kv: count it until the
                         # request registers to send.
                         self._stage_early_notif(req_id, consumers_per_producer)
@@ -87,6 +87,7 @@ class NixlConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
+        self._early_notifs.pulled(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -129,7 +130,7 @@ class NixlConnectorWorker:
                     req_id not in self._reqs_to_send
                     and req_id not in self._reqs_to_process
                 ):
-                    if not self._early_notifs.was_registered(req_id):
+                    if not self._early_notifs.is_late(req_id):
                         # The pull raced start_load_kv: count it until the
                         # request registers to send.
                         self._stage_early_notif(req_id, consumers_per_producer)
@@ -152,4 +153,5 @@ class NixlConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
+        self._early_notifs.pulled(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
