@@ -17,7 +17,7 @@ From v0.24 the producer state lives here and the pull-specific methods
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
 
@@ -356,19 +356,20 @@ class EarlyPullNotifications:
         # Requests released without their pull completing, oldest first.
         self._released_without_pull: OrderedDict[str, None] = OrderedDict()
         # The requests this step's pull notifications released (a copy: the
-        # release path adds expired and other requests to the same set).
-        self._pulled: AbstractSet[str] = frozenset()
+        # release path adds expired and other requests to the same set); None
+        # until the pull path's _get_new_notifs ran (a push worker's does not).
+        self._pulled: frozenset[str] | None = None
 
     def pulled(self, req_ids: AbstractSet[str]) -> None:
         """Note the requests ``_get_new_notifs`` released by their notifications."""
-        self._pulled = frozenset(req_ids) if req_ids else frozenset()
+        self._pulled = frozenset(req_ids)
 
     def released(self, done_sending: AbstractSet[str]) -> None:
         """The worker reports ``done_sending`` released: remember those not
         released by this step's pull notifications (costs O(1) when none)."""
-        if len(done_sending) != len(self._pulled):
-            self.released_without_pull(done_sending - self._pulled)
-        self._pulled = frozenset()
+        pulled, self._pulled = self._pulled, None
+        if pulled is not None and len(done_sending) != len(pulled):
+            self.released_without_pull(done_sending - pulled)
 
     def released_without_pull(self, req_ids: Iterable[str]) -> None:
         """Remember requests released (or aborted) without their pull completing."""
