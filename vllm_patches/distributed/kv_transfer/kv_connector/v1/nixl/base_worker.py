@@ -115,6 +115,12 @@ class NixlBaseConnectorWorker:
 class NixlBaseConnectorWorker:
     """F3: staging state and settling (every layout)."""
 
+    # What the pull path's _get_new_notifs released by notifications in this
+    # step, until get_finished / get_transfer_results reports; None otherwise
+    # (a push worker's _get_new_notifs is its own; tests build workers without
+    # __init__).
+    _pulled_now: frozenset[ReqId] | None = None
+
     @call_at_end_of("__init__")
     def _init_early_pull_notifications(self) -> None:
         """Set up the staging of notifications that race registration."""
@@ -125,6 +131,14 @@ class NixlBaseConnectorWorker:
                 )
             )
         )
+
+    def _remember_releases_without_pull(self, done_sending: set[ReqId]) -> None:
+        """Remember the requests reported released other than by this step's pull
+        notifications (expired or lease reaped, siblings, released at
+        registration): a notification for one is late. O(1) when there are none."""
+        pulled, self._pulled_now = self._pulled_now, None
+        if pulled is not None and len(done_sending) != len(pulled):
+            self._early_notifs.released_without_pull(done_sending - pulled)
 
     def _stage_early_notif(self, req_id: ReqId, expected: int) -> None:
         """Count a notification for a request that has not registered yet."""
@@ -185,7 +199,7 @@ class NixlBaseConnectorWorker:
         self, finished: tuple[set[str], set[str]]
     ) -> tuple[set[str], set[str]]:
         """Remember what get_finished released other than by a pull notification."""
-        self._early_notifs.released(finished[0])
+        self._remember_releases_without_pull(finished[0])
         return finished
 
 
@@ -199,8 +213,7 @@ class NixlBaseConnectorWorker:
     ) -> KVConnectorTransferResults:
         """Remember what get_transfer_results released other than by a pull
         notification."""
-        if results.finished_sending:
-            self._early_notifs.released(results.finished_sending)
+        self._remember_releases_without_pull(results.finished_sending or set())
         return results
 
 
@@ -355,21 +368,6 @@ class EarlyPullNotifications:
         self.complete: dict[str, int] = {}
         # Requests released without their pull completing, oldest first.
         self._released_without_pull: OrderedDict[str, None] = OrderedDict()
-        # The requests this step's pull notifications released (a copy: the
-        # release path adds expired and other requests to the same set); None
-        # until the pull path's _get_new_notifs ran (a push worker's does not).
-        self._pulled: frozenset[str] | None = None
-
-    def pulled(self, req_ids: AbstractSet[str]) -> None:
-        """Note the requests ``_get_new_notifs`` released by their notifications."""
-        self._pulled = frozenset(req_ids)
-
-    def released(self, done_sending: AbstractSet[str]) -> None:
-        """The worker reports ``done_sending`` released: remember those not
-        released by this step's pull notifications (costs O(1) when none)."""
-        pulled, self._pulled = self._pulled, None
-        if pulled is not None and len(done_sending) != len(pulled):
-            self.released_without_pull(done_sending - pulled)
 
     def released_without_pull(self, req_ids: Iterable[str]) -> None:
         """Remember requests released (or aborted) without their pull completing."""

@@ -170,7 +170,7 @@ class NixlPullConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._early_notifs.pulled(notified_req_ids)
+        self._pulled_now = frozenset(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -234,7 +234,7 @@ class NixlPullConnectorWorker:
                     del self.expected_consumer_notifications_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._early_notifs.pulled(notified_req_ids)
+        self._pulled_now = frozenset(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -297,7 +297,7 @@ class NixlPullConnectorWorker:
                     del self.expected_consumer_notifications_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._early_notifs.pulled(notified_req_ids)
+        self._pulled_now = frozenset(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -361,5 +361,5 @@ class NixlPullConnectorWorker:
                     del self.expected_consumer_notifications_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._early_notifs.pulled(notified_req_ids)
+        self._pulled_now = frozenset(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)

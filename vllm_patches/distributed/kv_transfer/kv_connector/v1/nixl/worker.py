@@ -87,7 +87,7 @@ class NixlConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._early_notifs.pulled(notified_req_ids)
+        self._pulled_now = frozenset(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -153,5 +153,5 @@ class NixlConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._early_notifs.pulled(notified_req_ids)
+        self._pulled_now = frozenset(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
