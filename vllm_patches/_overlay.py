@@ -42,6 +42,12 @@ that class, so a fix adds a step without replacing (and copying) a long method:
     Every ``return value`` of upstream ``m`` becomes ``return self.<hook>(value)``:
     the hook takes what ``m`` computed and returns what ``m`` returns. ``m`` must end
     in a ``return value`` and have no bare ``return``.
+``@filter_call_in("m", "self.agent.poll")``
+    Inside upstream ``m`` (not in functions nested in it), every call whose callee is
+    written ``self.agent.poll`` becomes ``self.<hook>(self.agent.poll(...))``: the hook
+    takes what the call returned and returns what ``m`` then works with. ``m`` must
+    make at least one such call. For a step inside a loop that no return value shows
+    (F2 sees the NIXL notifications before upstream's loop counts them).
 
 A later fix that replaces ``m`` whole keeps the hook call in its own text.
 
@@ -91,12 +97,13 @@ def add(fix: str, releases: str, into: str | None = None) -> Callable[[Definitio
 HOOK_ATTR = "__vllm_patches_hook__"
 CALL_AT_END_OF = "call_at_end_of"
 FILTER_RESULT_OF = "filter_result_of"
-HOOKS = {CALL_AT_END_OF, FILTER_RESULT_OF}
+FILTER_CALL_IN = "filter_call_in"
+HOOKS = {CALL_AT_END_OF, FILTER_RESULT_OF, FILTER_CALL_IN}
 
 
-def _hook(kind: str, method: str) -> Callable[[Definition], Definition]:
+def _hook(kind: str, method: str, call: str | None = None) -> Callable[[Definition], Definition]:
     def mark(definition: Definition) -> Definition:
-        setattr(definition, HOOK_ATTR, (kind, method))
+        setattr(definition, HOOK_ATTR, (kind, method, call))
         return definition
 
     return mark
@@ -111,3 +118,9 @@ def call_at_end_of(method: str) -> Callable[[Definition], Definition]:
 def filter_result_of(method: str) -> Callable[[Definition], Definition]:
     """Pass every value upstream ``method`` returns through the decorated new method."""
     return _hook(FILTER_RESULT_OF, method)
+
+
+def filter_call_in(method: str, call: str) -> Callable[[Definition], Definition]:
+    """Pass what each call ``call`` (a dotted callee, ``self.agent.poll``) inside upstream
+    ``method`` returns through the decorated new method."""
+    return _hook(FILTER_CALL_IN, method, call)

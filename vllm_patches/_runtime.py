@@ -20,7 +20,9 @@ How a fix is installed mirrors the static splice (``_splice``) exactly:
   gets the live class); new dataclass fields re-run ``dataclasses.dataclass`` on the
   live class in place; ``@call_at_end_of(m)`` wraps upstream ``m`` to call the new
   method when it returns (with the arguments it names), ``@filter_result_of(m)`` to
-  pass its result through the new method; an amended module function replaces the module's binding
+  pass its result through the new method; ``@filter_call_in(m, c)`` recompiles
+  upstream ``m`` from its source with the splice's own rewrite (``_splice.filter_calls``),
+  in its module, at its file and line; an amended module function replaces the module's binding
   and every same-named binding of it in loaded modules; ``@add`` binds a new name.
 
 Anything unexpected is an ``ActivationError``, raised into vLLM, which then fails to
@@ -48,6 +50,7 @@ import inspect
 import logging
 import os
 import sys
+import textwrap
 import threading
 import types
 from collections.abc import Mapping
@@ -60,7 +63,7 @@ from packaging.version import InvalidVersion, Version
 
 from vllm_patches import _series
 from vllm_patches._errors import UserError
-from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, HOOKS
+from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, FILTER_CALL_IN, HOOKS
 from vllm_patches._series import Fix, Series
 
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
@@ -331,7 +334,8 @@ def _calls_method(function: Any, method: str) -> bool:
 class _Member:
     name: str
     node: ast.stmt | None  # the member's ast (hook marker stripped)
-    hook: tuple[str, str] | None = None  # (marker kind, upstream method) of a hook
+    # (marker kind, upstream method[, callee]) of a hook: the marker's arguments.
+    hook: tuple[str, ...] | None = None
 
     @property
     def call_target(self) -> str | None:
@@ -486,8 +490,8 @@ def _definition(parsed, node: ast.stmt) -> _Definition:
             if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for decorator in list(member.decorator_list):
                     if _marker_name(decorator) in HOOKS:
-                        hook = (_marker_name(decorator),
-                                decorator.args[0].value)  # type: ignore[attr-defined]
+                        hook = (_marker_name(decorator), *(
+                            arg.value for arg in decorator.args))  # type: ignore[attr-defined]
                         member.decorator_list.remove(decorator)
             members.append(_Member(name, member, hook))
         # The overlay's class docstring is not spliced; it must not replace upstream's.
@@ -613,6 +617,8 @@ def _validate(item: _OverlayPlan, skip: set[str]) -> None:
                     raise ActivationError(
                         f"{definition.fix}: {where}: {name}.{member.call_target} has no "
                         f"parameter {', '.join(missing)} for {member.name}")
+                if member.hook[0] == FILTER_CALL_IN:
+                    _filter_calls_in(target, member, definition.fix)  # fails before any change
             if dataclasses.is_dataclass(target) and any(
                     isinstance(m.node, ast.AnnAssign) for m in definition.members):
                 _check_dataclass_amendable(target, definition.fix, where)
@@ -731,7 +737,9 @@ def _amend_class(cls: type, partial: type, definition: _Definition) -> list[Inst
         _amend_dataclass(cls, partial, fields, annotations)
         installed += [Installed(definition.fix, cls, name, cls.__dataclass_fields__[name], "field")
                       for name in fields]
-    for member in definition.members:
+    # Call filters recompile the upstream function itself: before any wrapper goes on it.
+    for member in sorted(definition.members, key=lambda m: m.hook is None or
+                         m.hook[0] != FILTER_CALL_IN):
         if member.hook:
             _hook_into(cls, member)
             installed.append(Installed(definition.fix, cls, member.call_target, member.name,
@@ -739,12 +747,50 @@ def _amend_class(cls: type, partial: type, definition: _Definition) -> list[Inst
     return installed
 
 
+def _filter_calls_in(cls: type, member: _Member, fix: str) -> types.FunctionType:
+    """Upstream ``cls.<target>`` recompiled from its source with the splice's rewrite
+    (``@filter_call_in``), in its module's namespace, at its own file and lines."""
+    import libcst as cst
+
+    from vllm_patches._splice import SpliceError, filter_calls
+
+    _, target, callee = member.hook  # type: ignore[misc]
+    where = f"{fix}: {cls.__module__}.{cls.__qualname__}.{target}".lstrip(": ")
+    original = cls.__dict__[target]
+    if not isinstance(original, types.FunctionType) or original.__code__.co_freevars:
+        raise ActivationError(f"{where}: not a plain function, cannot filter its calls")
+    try:
+        lines, first = inspect.getsourcelines(original)
+    except (OSError, TypeError) as exc:
+        raise ActivationError(f"{where}: no source to filter its calls in: {exc}") from exc
+    function = cst.parse_module(textwrap.dedent("".join(lines))).body[0]
+    assert isinstance(function, cst.FunctionDef), where
+    try:
+        rewritten = filter_calls(function, callee, member.name, where)
+    except SpliceError as exc:
+        raise ActivationError(str(exc)) from exc
+    tree = ast.parse(cst.Module(body=[rewritten]).code)
+    ast.increment_lineno(tree, first - 1)
+    namespace = sys.modules[cls.__module__].__dict__
+    flags = __future__.annotations.compiler_flag \
+        if namespace.get("annotations") is __future__.annotations else 0
+    defined: dict[str, Any] = {}
+    exec(compile(tree, original.__code__.co_filename, "exec", flags=flags,  # noqa: S102
+                 dont_inherit=True), namespace, defined)
+    new = defined[target]
+    new.__qualname__ = original.__qualname__
+    return new
+
+
 def _hook_into(cls: type, member: _Member) -> None:
-    """Wrap upstream ``cls.<target>`` as the spliced hook call would change it."""
-    kind, target = member.hook  # type: ignore[misc]
+    """Change upstream ``cls.<target>`` as the spliced hook call would change it."""
+    kind, target = member.hook[:2]  # type: ignore[index]
     original = cls.__dict__[target]
     method = member.name
-    if kind == CALL_AT_END_OF:
+    if kind == FILTER_CALL_IN:
+        # From the method as it is now: an earlier fix may have replaced it.
+        wrapper = _filter_calls_in(cls, member, "")
+    elif kind == CALL_AT_END_OF:
         names = member.hook_parameters
         signature = inspect.signature(original)
 

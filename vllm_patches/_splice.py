@@ -17,7 +17,14 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_patches._errors import UserError
-from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, FILTER_RESULT_OF, HOOKS
+from vllm_patches._overlay import (
+    ADD,
+    AMEND,
+    CALL_AT_END_OF,
+    FILTER_CALL_IN,
+    FILTER_RESULT_OF,
+    HOOKS,
+)
 
 MARKERS = {AMEND, ADD}
 # A partial class's own docstring describes the overlay; ``__doc__ = """..."""``
@@ -279,7 +286,7 @@ def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> c
     index = {_member_name(node): i for i, node in enumerate(body) if _member_name(node)}
     pending: list[cst.CSTNode] = []
     cursor = len(body)
-    hooks: list[tuple[str, str, cst.FunctionDef]] = []
+    hooks: list[tuple[tuple[str, ...], cst.FunctionDef]] = []
     for member in overlay.body.body:
         if _is_docstring(member):
             continue
@@ -288,7 +295,7 @@ def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> c
             raise SpliceError(f"{path}: {overlay.name.value} holds a statement that names nothing")
         member, hook = _strip_hook(member)
         if hook:
-            hooks.append((*hook, member))
+            hooks.append((hook, member))
         if name == DOCSTRING_MEMBER:
             body = _replace_docstring(body, member)
             index = {_member_name(n): i for i, n in enumerate(body) if _member_name(n)}
@@ -305,8 +312,8 @@ def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> c
             pending.append(_with_leading([cst.EmptyLine(indent=False)], member))
     body[cursor:cursor] = pending
     amended = upstream.with_changes(body=upstream.body.with_changes(body=body))
-    for kind, target, hook in hooks:
-        amended = _hook_into(amended, kind, target, hook, path)
+    for marker, hook in hooks:
+        amended = _hook_into(amended, marker, hook, path)
     return amended
 
 
@@ -321,18 +328,20 @@ def _replace_docstring(body: list[cst.CSTNode], member: cst.CSTNode) -> list[cst
     return [docstring, *body]
 
 
-def _strip_hook(member: cst.CSTNode) -> tuple[cst.CSTNode, tuple[str, str] | None]:
-    """``member`` without its hook marker, and (marker kind, upstream method) if it had one."""
+def _strip_hook(member: cst.CSTNode) -> tuple[cst.CSTNode, tuple[str, ...] | None]:
+    """``member`` without its hook marker, and the marker's (kind, *string arguments)
+    if it had one: (kind, upstream method) or (kind, upstream method, callee)."""
     if not isinstance(member, cst.FunctionDef):
         return member, None
     for decorator in member.decorators:
         kind = _decorator_name(decorator)
         if kind in HOOKS:
             call = decorator.decorator
-            assert isinstance(call, cst.Call) and isinstance(call.args[0].value, cst.SimpleString)
-            target = call.args[0].value.evaluated_value
+            assert isinstance(call, cst.Call) and all(
+                isinstance(arg.value, cst.SimpleString) for arg in call.args)
+            arguments = tuple(arg.value.evaluated_value for arg in call.args)  # type: ignore[union-attr]
             kept = [d for d in member.decorators if d is not decorator]
-            return member.with_changes(decorators=kept), (kind, target)
+            return member.with_changes(decorators=kept), (kind, *arguments)
     return member, None
 
 
@@ -413,9 +422,49 @@ class _ReturnRewriter(cst.CSTTransformer):
                                     updated.with_changes(leading_lines=[])])
 
 
-def _hook_into(cls: cst.ClassDef, kind: str, target: str, hook: cst.FunctionDef,
+class _CallFilter(cst.CSTTransformer):
+    """Wraps every call of one callee in one function body (not in nested scopes)."""
+
+    def __init__(self, callee: str, hook_call: str) -> None:
+        self.callee, self.hook_call = callee, hook_call
+        self.nested = 0
+        self.calls = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self.nested += 1
+        return True
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        self.nested -= 1
+        return updated
+
+    visit_ClassDef = visit_FunctionDef  # type: ignore[assignment]
+    leave_ClassDef = leave_FunctionDef  # type: ignore[assignment]
+    visit_Lambda = visit_FunctionDef  # type: ignore[assignment]
+    leave_Lambda = leave_FunctionDef  # type: ignore[assignment]
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        if self.nested > 1 or cst.Module([]).code_for_node(original.func) != self.callee:
+            return updated
+        self.calls += 1
+        return cst.parse_expression(f"{self.hook_call}(_)").with_changes(args=[cst.Arg(updated)])
+
+
+def filter_calls(function: cst.FunctionDef, callee: str, hook: str, where: str) -> cst.FunctionDef:
+    """``function`` with each call of ``callee`` in its body ``c(...)`` written
+    ``self.<hook>(c(...))`` (``@filter_call_in``); the splice and the runtime both use it."""
+    rewriter = _CallFilter(callee, f"self.{hook}")
+    rewritten = function.visit(rewriter)
+    if not rewriter.calls:
+        raise SpliceError(f"{where}: {function.name.value} makes no call of {callee}")
+    assert isinstance(rewritten, cst.FunctionDef)
+    return rewritten
+
+
+def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef,
                path: Path) -> cst.ClassDef:
     """Hook the new method ``hook`` into ``cls.<target>`` (see ``_overlay``)."""
+    kind, target = marker[:2]
     where = f"{path}: @{kind}({target!r}) on {cls.name.value}.{hook.name.value}"
     body = list(cls.body.body)
     for i, node in enumerate(body):
@@ -425,9 +474,12 @@ def _hook_into(cls: cst.ClassDef, kind: str, target: str, hook: cst.FunctionDef,
         raise SpliceError(f"{where}: {cls.name.value} has no {target}")
     params = hook_parameters(hook)
     name = hook.name.value
+    if kind in (FILTER_RESULT_OF, FILTER_CALL_IN) and len(params) != 1:
+        raise SpliceError(f"{where}: the hook takes one argument, the result")
+    if kind == FILTER_CALL_IN:
+        body[i] = filter_calls(node, marker[2], name, where)
+        return cls.with_changes(body=cls.body.with_changes(body=body))
     if kind == FILTER_RESULT_OF:
-        if len(params) != 1:
-            raise SpliceError(f"{where}: the hook takes one argument, the result")
         rewriter = _ReturnRewriter(kind, f"self.{name}", where)
     else:
         own = {p.name.value for p in (*node.params.posonly_params, *node.params.params,

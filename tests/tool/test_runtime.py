@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import os
 import subprocess
@@ -240,6 +241,59 @@ def test_a_later_fix_that_replaces_a_hooked_method_keeps_the_hook(fake):
     states = fake.install([make_fix("F1", ["core/worker.py"]), make_fix("F2", ["core/worker.py"])])
     assert [s.state for s in states] == [_runtime.ACTIVE, _runtime.ACTIVE]
     assert fake.get("core.worker").Worker().notifs() == {"b", "c"}
+
+
+POLLING = '''\
+class Worker:
+    def __init__(self):
+        self.agent = Agent()
+
+    def notifs(self, extra=()):
+        found = set(extra)
+        for messages in self.agent.poll().values():
+            found |= set(messages)
+        return found
+
+
+class Agent:
+    def poll(self):
+        return {"decode": ["a", "b"]}
+'''
+
+POLLING_OVERLAY = '''\
+from vllm_patches._overlay import amend, filter_call_in, filter_result_of
+
+
+@amend("F1", ">=0.18")
+class Worker:
+    @filter_call_in("notifs", "self.agent.poll")
+    def _drop_b(self, notifs):
+        return {agent: [m for m in messages if m != "b"] for agent, messages in notifs.items()}
+
+    @filter_result_of("notifs")
+    def _with_z(self, found):
+        return found | {"z"}
+'''
+
+
+def test_a_call_filter_recompiles_the_upstream_method_where_it_is(fake):
+    fake.module("core.worker", POLLING)
+    fake.overlay("core/worker.py", POLLING_OVERLAY)
+    fake.install([make_fix("F1", ["core/worker.py"])])
+    module = fake.get("core.worker")
+    assert module.Worker().notifs(extra=["x"]) == {"a", "x", "z"}
+    code = inspect.unwrap(module.Worker.notifs).__code__
+    assert code.co_filename == module.__file__, "tracebacks point at upstream's file"
+    assert code.co_firstlineno == POLLING.splitlines().index("    def notifs(self, extra=()):") + 1
+    assert "notifs" not in vars(module), "recompiled into the class, not the module"
+
+
+def test_a_call_filter_without_the_call_is_an_error(fake):
+    fake.module("core.worker", POLLING)
+    fake.overlay("core/worker.py", POLLING_OVERLAY.replace('"self.agent.poll"', '"self.agent.peek"'))
+    with pytest.raises(ActivationError, match="notifs makes no call of self.agent.peek"):
+        fake.install([make_fix("F1", ["core/worker.py"])])
+    assert "_drop_b" not in vars(fake.get("core.worker").Worker), "nothing installed"
 
 
 def test_a_hook_naming_no_parameter_of_its_target_is_an_error(fake):

@@ -37,7 +37,8 @@ UPSTREAM = textwrap.dedent('''\
 
 def write_overlay(tmp_path: Path, body: str) -> Overlay:
     path = tmp_path / "overlay.py"
-    path.write_text("from vllm_patches._overlay import add, amend, call_at_end_of, filter_result_of\n"
+    path.write_text("from vllm_patches._overlay import add, amend, call_at_end_of, filter_call_in, "
+                    "filter_result_of\n"
                     + textwrap.dedent(body))
     return Overlay.parse(path)
 
@@ -199,6 +200,48 @@ def test_filter_result_of_passes_a_bare_tuple_as_one_value(tmp_path):
         ''')
     result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
     assert "        return self._seen((self.done, None))\n" in result
+
+
+POLLING = textwrap.dedent('''\
+    class Worker:
+        def notifs(self):
+            found = set()
+            for agent, messages in self.agent.poll().items():
+                found |= set(messages)
+
+            def nested():
+                return self.agent.poll()
+
+            return found | self.agent.poll(1) | {self.agent.poll2()}
+''')
+
+
+def test_filter_call_in_wraps_each_call_of_the_callee_in_the_method(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @filter_call_in("notifs", "self.agent.poll")
+            def _seen(self, notifs):
+                return notifs
+        ''')
+    result = splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay.imports,
+                    overlay.path)
+    assert result == POLLING.replace(
+        "in self.agent.poll().items()", "in self._seen(self.agent.poll()).items()").replace(
+        "found | self.agent.poll(1)", "found | self._seen(self.agent.poll(1))") + (
+        "\n    def _seen(self, notifs):\n        return notifs\n"), "nested scopes are left alone"
+
+
+def test_filter_call_in_refuses_a_method_without_the_call(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @filter_call_in("notifs", "self.agent.peek")
+            def _seen(self, notifs):
+                return notifs
+        ''')
+    with pytest.raises(SpliceError, match="notifs makes no call of self.agent.peek"):
+        splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
 
 
 @pytest.mark.parametrize(("marker", "target", "params", "error"), [
