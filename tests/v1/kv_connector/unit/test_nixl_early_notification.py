@@ -9,11 +9,23 @@ held until its expiry (480 s up to v0.21) or lease ran out; with several
 decode workers per producer (heterogeneous TP) every notification can race
 the registration. The notifications are now staged and settled when the
 request registers to send; the staging is bounded.
+
+Also what staging must not take in: a notification that repeats a completed
+pull (a decoder that read a request more often than the producer counted) is
+neither staged, where it would push out genuine early notifications, nor
+logged as invalid KV; and from v0.32 an early notification is not counted
+as a notification after expiry.
 """
 
 import pytest
 
-from .test_nixl_producer_release import TTL, gloo_world, producer_factory
+from .test_nixl_producer_release import (
+    TTL,
+    gloo_world,
+    messages,
+    producer_factory,
+    vllm_log,
+)
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -34,11 +46,14 @@ def test_notification_before_registration_settles_on_registration(
     make_producer, consumers
 ):
     producer = make_producer()
-    producer.notify("req-a", consumers, times=consumers)
-    assert producer.finished_sending() == set()
+    with vllm_log() as records:
+        producer.notify("req-a", consumers, times=consumers)
+        assert producer.finished_sending() == set()
     producer.register("req-a", "req-b")
     assert producer.finished_sending() == {"req-a"}
     assert producer.held() == {"req-b"}
+    assert not messages(records, "Potentially invalid KV blocks")
+    assert producer.notifications_after_expiry() in (None, 0)
 
 
 @pytest.mark.parametrize("consumers, early", [(2, 1), (4, 1), (4, 3)])
@@ -92,14 +107,40 @@ def test_aborted_request_with_early_notification_is_never_reported(make_producer
     assert producer.held() == set()
 
 
-def test_early_notification_releases_the_best_of_siblings(make_producer):
+@pytest.mark.parametrize("early", [2, 4])
+def test_early_notification_releases_the_best_of_siblings(make_producer, early):
+    """The decoder's 4 children each read the last sibling; the reads of
+    ``early`` of them race its registration. All siblings go once all 4 did."""
     producer = make_producer()
     children = [f"{i}_cmpl-fb4bc0e0" for i in range(4)]
-    producer.notify(children[0])
+    producer.notify(children[-1], times=early)
     assert producer.finished_sending() == set()
     producer.register(*children)
+    if early < 4:
+        assert producer.finished_sending() == set()
+        assert producer.held() == set(children)
+        producer.notify(children[-1], times=4 - early)
     assert producer.finished_sending() == set(children)
     assert producer.held() == set()
+
+
+def test_repeated_notification_of_a_completed_pull_is_not_staged(make_producer):
+    """A decoder that reads a request more often than the producer counted
+    repeats a completed pull: not an error, and not staged, where it would
+    push a genuine early notification out of a full staging FIFO."""
+    producer = make_producer(early_notifications_limit=1)
+    producer.register("req-a")
+    producer.notify("req-a")
+    assert producer.finished_sending() == {"req-a"}
+    with vllm_log() as records:
+        producer.notify("req-b")  # races its registration
+        producer.notify("req-a")  # repeats the completed pull
+        assert producer.finished_sending() == set()
+    producer.register("req-b")
+    assert producer.finished_sending() == {"req-b"}
+    assert producer.held() == set()
+    assert not messages(records, "Potentially invalid KV blocks")
+    assert producer.notifications_after_expiry() in (None, 0)
 
 
 def test_staging_is_bounded_and_evicted_requests_fall_back_to_expiry(make_producer):

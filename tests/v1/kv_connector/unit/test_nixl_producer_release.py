@@ -20,6 +20,7 @@ stock and the patched worker alike.
 
 import contextlib
 import importlib
+import logging
 import os
 import tempfile
 import time
@@ -191,8 +192,41 @@ class Producer:
         """Requests whose KV the producer still holds for a decoder."""
         return set(self.worker._reqs_to_send) | set(self.worker._reqs_to_process)
 
+    def notifications_after_expiry(self) -> int | None:
+        """What the NIXL stats count as notifications after expiry (from v0.32;
+        None before)."""
+        stats = getattr(self.worker, "xfer_stats", None)
+        counted = getattr(stats, "data", {}).get("num_notifications_after_expiry")
+        return None if counted is None else len(counted)
+
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def vllm_log() -> Iterator[list[logging.LogRecord]]:
+    """The records vLLM's loggers emit inside the block (vLLM's own handlers do
+    not propagate them to pytest's)."""
+    handler = _Records()
+    logger = logging.getLogger("vllm")
+    logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+
+
+def messages(records: list[logging.LogRecord], text: str) -> list[str]:
+    return [r.getMessage() for r in records if text in r.getMessage()]
 
 
 @contextlib.contextmanager
@@ -314,16 +348,20 @@ def test_aborted_request_is_never_reported(make_producer):
 
 
 def test_late_notification_is_dropped(make_producer):
-    """A notification for an expired request releases nothing (again)."""
+    """A notification for an expired request releases nothing (again); it is
+    logged as possibly invalid KV and, from v0.32, counted after expiry."""
     producer = make_producer()
     producer.register("req-a")
     producer.advance(2 * TTL)
     assert producer.finished_sending() == {"req-a"}
-    producer.notify("req-a")
-    producer.register("req-b")
-    producer.notify("req-b")
-    assert producer.finished_sending() == {"req-b"}
+    with vllm_log() as records:
+        producer.notify("req-a")
+        producer.register("req-b")
+        producer.notify("req-b")
+        assert producer.finished_sending() == {"req-b"}
     assert producer.held() == set()
+    assert messages(records, "Potentially invalid KV blocks")
+    assert producer.notifications_after_expiry() in (None, 1)
 
 
 def test_heartbeat_extends_the_lease(make_producer):

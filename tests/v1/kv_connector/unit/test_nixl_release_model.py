@@ -4,17 +4,21 @@
 
 Hypothesis interleaves what the scheduler and the decoders do to a producer
 worker: requests scheduled, finished and aborted; pull-complete notifications
-from 1, 2 or 4 decode workers, early (before registration) or late (after
-expiry); parallel-sampling siblings of which a decoder pulls one; heartbeats
-(from v0.22) and the clock passing expiry/lease deadlines. A small reference
-model says what must be released at each ``get_finished``; afterwards the run
-is drained. Checked throughout: every request is released exactly once,
-never while aborted or before its KV was pulled (or it expired, or a sibling
-was pulled), staged notifications stay within their limit, and after the
-drain nothing is left in ``_reqs_to_send``, ``_reqs_to_process`` or staging.
+from 1, 2 or 4 decode workers, early (before registration), late (after
+expiry) or repeated (after the pull completed); parallel-sampling siblings of
+which a decode engine reads one, once per child (``n`` children, as a real
+decoder does); heartbeats (from v0.22) and the clock passing expiry/lease
+deadlines. A small reference model says what must be released at each
+``get_finished``; afterwards the run is drained. Checked throughout: every
+request is released exactly once, never while aborted or before its KV was
+pulled (or it expired, or a sibling was pulled), a read sibling and its
+siblings never before every decode child read it (when they all registered
+before the first read), staged notifications stay within their limit, and
+after the drain nothing is left in ``_reqs_to_send``, ``_reqs_to_process`` or
+staging.
 """
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -53,6 +57,8 @@ def parent_of(req_id: str) -> str | None:
 
 
 ALL = PLAIN + [s for parent in PARENTS for s in sibling_ids(parent)]
+# What the worker remembers of releases by pull (EarlyPullNotifications).
+REPEAT_REPORTS = 128
 # Decoders pull the plain requests and one sibling (the last) of each parent.
 EXPOSED = PLAIN + [sibling_ids(parent)[-1] for parent in PARENTS]
 
@@ -60,10 +66,19 @@ EXPOSED = PLAIN + [sibling_ids(parent)[-1] for parent in PARENTS]
 @dataclass
 class Request:
     consumers: int = 1
+    readers: int = 1  # decode requests reading it: n for the exposed sibling
     state: str = "new"  # new -> batch -> send | aborted | released
     expiry: float = 0.0
     counted: int = 0  # notifications counted since registration
     sent: int = 0  # notifications the decoders sent
+    # Notifications held back for the other readers (F2), from the first counted;
+    # None before. ``all_readers``: every sibling was registered by then.
+    hold: int | None = None
+    all_readers: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.readers * self.consumers
 
 
 @dataclass
@@ -80,8 +95,40 @@ class Model:
     # pull: a notification for one is late.
     released_without_pull: OrderedDict = field(default_factory=OrderedDict)
     pulled_now: set = field(default_factory=set)  # released by their own pull
+    # The requests released by their own pull, one set per report that released
+    # any: the last REPEAT_REPORTS of them, at most ``limit`` requests.
+    released_by_pull: deque = field(default_factory=deque)
+    pulled_ever: set = field(default_factory=set)
     pulled_parents: set = field(default_factory=set)
     pending: set = field(default_factory=set)  # released by start_load_kv
+
+    def remember_released_by_pull(self, req_ids: set) -> None:
+        if not req_ids:
+            return
+        self.released_by_pull.append(set(req_ids))
+        while (
+            sum(map(len, self.released_by_pull)) > self.limit
+            or len(self.released_by_pull) > REPEAT_REPORTS
+        ):
+            self.released_by_pull.popleft()
+
+    def counts(self, req_id: str, notifications: int) -> int:
+        """Of ``notifications`` for a held request, how many count toward its
+        release: a sibling holds back ``consumers`` per other sibling registered
+        when its first notification counted (each is a decode child reading it)."""
+        req = self.reqs[req_id]
+        if req.hold is None:
+            parent = parent_of(req_id)
+            others = [
+                s for s in sibling_ids(parent) if s != req_id and self.held(s)
+            ] if parent else []
+            req.hold = len(others) * req.consumers
+            req.all_readers = len(others) + 1 == req.readers
+            if others:
+                event("reads of a sibling held back")
+        holding = min(req.hold, notifications)
+        req.hold -= holding
+        return notifications - holding
 
     def remember_released_without_pull(self, req_ids) -> None:
         for req_id in sorted(req_ids):
@@ -94,7 +141,10 @@ class Model:
 
     def release(self, req_id: str, pulled: bool) -> set[str]:
         """Release ``req_id``; a pull also releases its finished siblings."""
-        self.reqs[req_id].state = "released"
+        req = self.reqs[req_id]
+        if pulled and req.all_readers:
+            assert req.sent == req.total, f"{req_id} released while decoders read it"
+        req.state = "released"
         released = {req_id}
         parent = parent_of(req_id)
         if not pulled or parent is None:
@@ -133,8 +183,9 @@ class Model:
             early = self.staged.pop(req_id, None)
             req = self.reqs[req_id]
             if early is not None and self.held(req_id):
-                req.counted += early
-                if req.counted >= req.consumers:
+                counted = self.counts(req_id, early)
+                req.counted += counted
+                if counted >= req.consumers:
                     self.complete.add(req_id)
         # ... and complete ones are released when they register to send.
         for req_id in to_send:
@@ -142,6 +193,8 @@ class Model:
                 self.complete.discard(req_id)
                 if req_id in finished:
                     event("early notifications settled at registration")
+                    self.pulled_now.add(req_id)
+                    self.pulled_ever.add(req_id)
                     self.pending |= self.release(req_id, pulled=True)
         for req_id in finished:
             parent = parent_of(req_id)
@@ -152,10 +205,15 @@ class Model:
     def notify(self, req_id: str) -> set[str]:
         req = self.reqs[req_id]
         if req.state in ("batch", "send"):
-            req.counted += 1
+            req.counted += self.counts(req_id, 1)
             if req.counted == req.consumers:
                 self.pulled_now.add(req_id)
+                self.pulled_ever.add(req_id)
                 return self.release(req_id, pulled=True)
+        elif req_id in self.pulled_now or any(
+            req_id in report for report in self.released_by_pull
+        ):
+            event("repeated pull ignored")
         elif req_id not in self.released_without_pull:
             # Not held and not released without its pull (always true for a new
             # request; with a small limit also for one released so long ago).
@@ -177,6 +235,8 @@ _finish = st.tuples(st.just("finish"), st.sampled_from(ALL))
 _notify = st.tuples(st.just("notify"), st.sampled_from(EXPOSED), st.integers(1, 4))
 # A pull that races the registration: only sent while the request is new.
 _early = st.tuples(st.just("early"), st.sampled_from(EXPOSED), st.integers(1, 4))
+# A decoder reading a request once more after its pull completed.
+_repeat = st.tuples(st.just("repeat"), st.sampled_from(EXPOSED))
 _heartbeat = st.tuples(
     st.just("heartbeat"), st.lists(st.sampled_from(ALL), min_size=1, unique=True)
 )
@@ -192,6 +252,7 @@ ops = st.one_of(
     _notify,
     _early,
     _early,
+    _repeat,
     st.tuples(st.just("schedule_finish"), st.sampled_from(PLAIN)),
     st.tuples(st.just("abort"), st.sampled_from(ALL)),
     _heartbeat,
@@ -218,6 +279,7 @@ def run(producer, model: Model, program) -> None:
             event("released at expiry")
         assert expected <= got, f"not released: {expected - got}"
         released.update(got)
+        model.remember_released_by_pull(model.pulled_now)
         model.remember_released_without_pull(got - model.pulled_now)
         model.pulled_now = set()
         early = getattr(producer.worker, "_early_notifs", None)
@@ -229,7 +291,7 @@ def run(producer, model: Model, program) -> None:
 
     def send_notifications(req_id: str, times: int) -> None:
         req = model.reqs[req_id]
-        times = min(times, req.consumers - req.sent)
+        times = min(times, req.total - req.sent)
         if times <= 0 or req.state == "aborted":
             return
         req.sent += times
@@ -259,6 +321,10 @@ def run(producer, model: Model, program) -> None:
             model.step(aborted=[op[1]])
         elif kind == "notify" or (kind == "early" and model.reqs[op[1]].state == "new"):
             send_notifications(op[1], op[2])
+        elif kind == "repeat" and op[1] in model.pulled_ever:
+            producer.notify(op[1], model.reqs[op[1]].consumers)
+            assert not model.notify(op[1])
+            poll(set())
         elif kind == "heartbeat" and producer.has_heartbeats:
             producer.heartbeat(*op[1])
             for req_id in op[1]:
@@ -275,7 +341,7 @@ def run(producer, model: Model, program) -> None:
     producer.step(in_batch=left, ttl=TTL)
     model.step(in_batch=left)
     for req_id in EXPOSED:
-        send_notifications(req_id, 4)
+        send_notifications(req_id, model.reqs[req_id].total)
     batch = [r for r in ALL if model.reqs[r].state == "batch"]
     producer.step(to_send=batch, ttl=TTL)
     model.step(to_send=batch)
@@ -310,4 +376,8 @@ def test_release_model(make_producer, limit, consumers, program):
     lease_extension = producer.lease_extension if producer.has_heartbeats else 0.0
     model = Model(limit=limit, lease_extension=lease_extension, now=producer.clock.now)
     model.reqs = {r: Request(consumers=consumers.get(r, 1)) for r in ALL}
+    for parent, n in PARENTS.items():
+        # The decode engine splits the request into n children, each reading
+        # the sibling the prefill response named.
+        model.reqs[sibling_ids(parent)[-1]].readers = n
     run(producer, model, program)

@@ -4,9 +4,10 @@
 
 NIXL producer (prefill) release path, vllm PR 43509:
 
-- F2: when a decoder pulled one parallel-sampling sibling (``n > 1``), release
-  the siblings registered with it; siblings that register later are released
-  when they register (``BestOfSiblings``).
+- F2: a decode engine reads the one parallel-sampling sibling (``n > 1``) it was
+  told about once per child: hold that sibling until all its reads are in, then
+  release it with the siblings registered with it; siblings that register
+  later are released when they register (``BestOfSiblings``).
 - F3: a pull notification that arrives before ``start_load_kv`` registered the
   request is staged and applied at registration instead of being dropped
   (``EarlyPullNotifications``).
@@ -18,6 +19,18 @@ from __future__ import annotations
 
 
 from vllm_patches._overlay import amend
+
+
+@amend("F2", ">=0.18.0,<0.20.0")
+class NixlConnectorWorker:
+    """F2: notifications per decode reader, v0.18 - v0.19 (from the decoder's TP)."""
+
+    def _notifications_per_reader(self, tp_size: int) -> int:
+        """How many notifications one decode request sends this worker: one per
+        decode rank reading from it (what _get_new_notifs waits for)."""
+        assert self.kv_topo is not None
+        tp_ratio = self.kv_topo.tp_ratio(tp_size)
+        return -tp_ratio if tp_size > self.world_size else 1
 
 
 @amend("F3", ">=0.18.0,<0.20.0")
@@ -32,7 +45,7 @@ class NixlConnectorWorker:
         """
         assert self.kv_topo is not None
         notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
+        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
             for notif in notifs:
                 req_id, tp_size = notif.decode("utf-8").rsplit(":", 1)
                 # NOTE: `tp_ratio` is the opposite when swapping local<>remote
@@ -50,9 +63,11 @@ class NixlConnectorWorker:
                     and req_id not in self._reqs_to_process
                 ):
                     if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv: count it until the
-                        # request registers to send.
-                        self._stage_early_notif(req_id, consumers_per_producer)
+                        # The pull raced start_load_kv (staged until the request
+                        # registers to send) or repeats a completed one.
+                        self._notif_not_held(
+                            req_id, consumers_per_producer, notified_req_ids
+                        )
                         continue
                     logger.error(
                         "Potentially invalid KV blocks for "
@@ -72,5 +87,5 @@ class NixlConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._pulled_now = frozenset(notified_req_ids)
+        self._note_pulls(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)

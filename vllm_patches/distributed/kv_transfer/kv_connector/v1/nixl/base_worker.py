@@ -4,9 +4,10 @@
 
 NIXL producer (prefill) release path, vllm PR 43509:
 
-- F2: when a decoder pulled one parallel-sampling sibling (``n > 1``), release
-  the siblings registered with it; siblings that register later are released
-  when they register (``BestOfSiblings``).
+- F2: a decode engine reads the one parallel-sampling sibling (``n > 1``) it was
+  told about once per child: hold that sibling until all its reads are in, then
+  release it with the siblings registered with it; siblings that register
+  later are released when they register (``BestOfSiblings``).
 - F3: a pull notification that arrives before ``start_load_kv`` registered the
   request is staged and applied at registration instead of being dropped
   (``EarlyPullNotifications``).
@@ -17,7 +18,7 @@ From v0.24 the producer state lives here and the pull-specific methods
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
 
@@ -77,6 +78,20 @@ class NixlBaseConnectorWorker:
             )
         return released
 
+    def _holds_back(self, notif: bytes) -> bool:
+        """Whether a pull notification is one of the reads of a parallel-sampling
+        sibling that other decode children still make (see BestOfSiblings.reads);
+        such a notification does not count toward the sibling's release."""
+        if b"_" not in notif or notif.startswith(b"HB:"):
+            return False
+        req_id, _, readers = notif.decode("utf-8").rpartition(":")
+        if req_id not in self._reqs_to_process:
+            return False
+        notifications = self._notifications_per_reader(int(readers))
+        return not self._best_of_siblings.reads(
+            req_id, 1, notifications, self._reqs_to_process
+        )
+
     def _release_late_best_of_siblings(self, metadata: NixlConnectorMetadata) -> None:
         """Release siblings that registered to send after their parent was pulled."""
         if not self._best_of_siblings.pulled_parents:
@@ -115,10 +130,9 @@ class NixlBaseConnectorWorker:
 class NixlBaseConnectorWorker:
     """F3: staging state and settling (every layout)."""
 
-    # What the pull path's _get_new_notifs released by notifications in this
-    # step, until get_finished / get_transfer_results reports; None otherwise
-    # (a push worker's _get_new_notifs is its own; tests build workers without
-    # __init__).
+    # What the pull path released by pull notifications since the last report
+    # of get_finished / get_transfer_results; None otherwise (a push worker's
+    # _get_new_notifs is its own; tests build workers without __init__).
     _pulled_now: frozenset[ReqId] | None = None
 
     @call_at_end_of("__init__")
@@ -132,16 +146,43 @@ class NixlBaseConnectorWorker:
             )
         )
 
-    def _remember_releases_without_pull(self, done_sending: set[ReqId]) -> None:
-        """Remember the requests reported released other than by this step's pull
-        notifications (expired or lease reaped, siblings, released at
-        registration): a notification for one is late. O(1) when there are none."""
+    def _note_pulls(self, req_ids: AbstractSet[ReqId]) -> None:
+        """Note requests released because their pull completed, until the report."""
+        pulled = self._pulled_now
+        self._pulled_now = frozenset(req_ids) if pulled is None else pulled | req_ids
+
+    def _remember_releases(self, done_sending: set[ReqId]) -> None:
+        """Remember what the report releases, by how: a notification for a request
+        released by its pull repeats a read (``_notif_not_held``); one for a
+        request released otherwise (expired or lease reaped, siblings, aborted)
+        is late. O(1) when only pulled requests are released."""
         pulled, self._pulled_now = self._pulled_now, None
-        if pulled is not None and len(done_sending) != len(pulled):
+        if pulled is None:
+            return
+        if pulled:
+            self._early_notifs.released_by_pull(pulled)
+        if len(done_sending) != len(pulled):
             self._early_notifs.released_without_pull(done_sending - pulled)
 
-    def _stage_early_notif(self, req_id: ReqId, expected: int) -> None:
-        """Count a notification for a request that has not registered yet."""
+    def _notif_not_held(
+        self, req_id: ReqId, expected: int, pulled_now: AbstractSet[ReqId]
+    ) -> None:
+        """A notification for a request this worker does not hold and did not
+        release without its pull: it repeats a completed pull (``pulled_now``:
+        released by notifications earlier in this call), or races the
+        request's registration (staged until it registers)."""
+        if (
+            req_id in pulled_now
+            or (self._pulled_now is not None and req_id in self._pulled_now)
+            or self._early_notifs.is_repeat(req_id)
+        ):
+            logger.warning(
+                "Ignoring a pull notification for request %s: its KV blocks were "
+                "released when its pull completed, so a decode worker read them "
+                "more times than this producer counted.",
+                req_id,
+            )
+            return
         dropped = self._early_notifs.stage(req_id, expected)
         if dropped is not None:
             logger.warning(
@@ -158,9 +199,10 @@ class NixlBaseConnectorWorker:
         release path (threshold, fan-out, expiry, lease) needs to look at them.
         A registering request's staged count moves to
         ``consumer_notification_counts_by_req``, where later notifications keep
-        counting; one whose count is already complete is released as soon as
-        it registers to send (finished: only then may the scheduler free its
-        blocks), with its parallel-sampling siblings. Entries of aborted
+        counting, less the reads of a parallel-sampling sibling that other
+        decode children still make (F2); one whose count is already complete is
+        released as soon as it registers to send (finished: only then may the
+        scheduler free its blocks), with its siblings. Entries of aborted
         requests are dropped. Costs O(requests in ``metadata``), never a scan
         of the staged requests.
         """
@@ -170,10 +212,15 @@ class NixlBaseConnectorWorker:
         if early.staged:
             early.drop(metadata.reqs_not_processed)
             for req_id, (expected, count) in early.take(metadata.reqs_in_batch):
-                if req_id in self._reqs_to_process:
+                if req_id not in self._reqs_to_process:
+                    continue
+                count = self._best_of_siblings.reads(
+                    req_id, count, expected, self._reqs_to_process
+                )
+                if count:
                     self.consumer_notification_counts_by_req[req_id] += count
-                    if count >= expected:
-                        early.complete[req_id] = expected
+                if count >= expected:
+                    early.complete[req_id] = expected
         if not early.complete:
             return
         for req_id in metadata.reqs_not_processed:
@@ -182,6 +229,7 @@ class NixlBaseConnectorWorker:
             del early.complete[req_id]
             if req_id in self._reqs_to_send:
                 self._forget_sent_req(req_id)
+                self._note_pulls({req_id})
                 siblings = self._release_best_of_siblings(req_id)
                 self._released_at_registration |= {req_id, *siblings}
 
@@ -195,11 +243,11 @@ class NixlBaseConnectorWorker:
     """F3: late notifications, up to v0.29 (expiry inside get_finished)."""
 
     @filter_result_of("get_finished")
-    def _remember_released_without_pull(
+    def _remember_how_released(
         self, finished: tuple[set[str], set[str]]
     ) -> tuple[set[str], set[str]]:
-        """Remember what get_finished released other than by a pull notification."""
-        self._remember_releases_without_pull(finished[0])
+        """Remember how get_finished released what it reports."""
+        self._remember_releases(finished[0])
         return finished
 
 
@@ -208,12 +256,11 @@ class NixlBaseConnectorWorker:
     """F3: late notifications, from v0.30 (get_transfer_results)."""
 
     @filter_result_of("get_transfer_results")
-    def _remember_released_without_pull(
+    def _remember_how_released(
         self, results: KVConnectorTransferResults
     ) -> KVConnectorTransferResults:
-        """Remember what get_transfer_results released other than by a pull
-        notification."""
-        self._remember_releases_without_pull(results.finished_sending or set())
+        """Remember how get_transfer_results released what it reports."""
+        self._remember_releases(results.finished_sending or set())
         return results
 
 
@@ -221,18 +268,25 @@ class NixlBaseConnectorWorker:
 @add("F2", ">=0.20.0,<0.24.0", into="worker.py")
 @add("F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py")
 class BestOfSiblings:
-    """Parallel-sampling siblings of requests a NIXL producer's decoders pulled.
+    """Parallel-sampling siblings of requests a NIXL producer's decoders read.
 
     With ``n > 1`` the engine splits a prompt into siblings ``f"{i}_{parent}"``
-    (``ParentRequest.get_child_info``) that share the prompt's KV. The response
-    telling a decoder where that KV lives carries the ``kv_transfer_params`` of
-    one sibling only, so a decoder pulls one sibling and the producer held the
-    other ``n - 1`` until their expiry or lease ran out.
+    (``ParentRequest.get_child_info``) that share the prompt's KV. The prefill
+    response is made when the last sibling finishes and carries that sibling's
+    ``kv_transfer_params`` only (``ParentRequest.get_outputs``). The decode
+    engine splits the request again into ``n`` children, each with its own copy
+    of those params, and each child reads that one sibling: one READ (or, on a
+    full local prefix hit, a bare notification) per child and per producer rank
+    it reads from. So the producer receives ``n`` times the usual notifications
+    for that sibling, over a few steps, and none for the others; upstream
+    released the sibling after the first child's and held the other ``n - 1``
+    siblings until their expiry or lease ran out.
 
-    When a decoder pulled one sibling, the others are released with it: no
-    decoder can pull them, their block ids never left this engine. Releasing
-    KV that a decoder still reads corrupts its output, so a request only counts
-    as a sibling when all of these hold:
+    Here the read sibling is held until every child's notifications are in
+    (``reads``); the others are released with it (``pulled``): no decoder
+    reads them, their block ids never left this engine. Releasing KV that a
+    decoder still reads corrupts its output, so a request only counts as a
+    sibling when all of these hold:
 
     - its id has the exact shape ``f"{index}_{parent}"`` (decimal index
       without leading zeros);
@@ -244,10 +298,19 @@ class BestOfSiblings:
     - it is registered to send (finished, its blocks kept for a decoder); one
       still being scheduled is released once it registers to send.
 
+    The number of children reading is the number of siblings registered when
+    the first notification arrives: all of them, since the response that tells
+    the decoder where the KV lives leaves only after the last sibling finished.
+    A decoder that runs fewer children (a proxy that decodes with ``n=1``)
+    leaves the read sibling held until its expiry or lease, as upstream held
+    its siblings; one that reads each sibling separately leaves all of them
+    held so, never released early.
+
     ``enabled`` comes from ``kv_connector_extra_config["release_best_of_siblings"]``
     (default: on, unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` lets client
-    ids reach the engine unchanged). Pulled parents are kept in a FIFO of
-    ``limit`` entries; a forgotten one falls back to the expiry or lease.
+    ids reach the engine unchanged). Pulled parents and the reads held back are
+    each kept for at most ``limit`` requests, oldest forgotten first; a
+    forgotten one falls back to the expiry or lease.
     """
 
     def __init__(self, enabled: bool, limit: int, randomized_ids: bool) -> None:
@@ -256,6 +319,8 @@ class BestOfSiblings:
         self.randomized_ids = randomized_ids
         # Parents a decoder pulled through one of their siblings, oldest first.
         self.pulled_parents: OrderedDict[str, None] = OrderedDict()
+        # Siblings being read: request -> notifications still to hold back.
+        self._reads_to_hold: dict[str, int] = {}
 
     def split(self, req_id: str) -> tuple[int, str] | None:
         """``(index, parent)`` if ``req_id`` is shaped like a sibling, else None."""
@@ -274,40 +339,77 @@ class BestOfSiblings:
             return None
         return int(index), parent
 
+    def _siblings(
+        self, req_id: str, *groups: Collection[str]
+    ) -> tuple[str, list[list[str]]] | None:
+        """``(parent, the siblings of req_id found in each of groups)``, or None
+        if it is no sibling.
+
+        Siblings are looked up by index, up to one past the highest index
+        found, so O(n). Siblings 0..n-1 register together: an index beyond the
+        number of requests in ``groups`` belongs to no live group (and must not
+        make a client-chosen id cost a long search).
+        """
+        split = self.split(req_id) if self.enabled else None
+        if split is None or split[0] > sum(len(group) for group in groups):
+            return None
+        index, parent = split
+        found: list[list[str]] = [[] for _ in groups]
+        last, i = index, 0
+        while i <= last + 1:
+            sibling = f"{i}_{parent}"
+            for group, hits in zip(groups, found):
+                if i != index and sibling in group:
+                    hits.append(sibling)
+                    last = max(last, i)
+                    break
+            i += 1
+        return parent, found
+
+    def reads(
+        self,
+        req_id: str,
+        notifications: int,
+        per_reader: int,
+        registered: Collection[str],
+    ) -> int:
+        """Of ``notifications`` pull notifications for ``req_id``, how many count
+        toward its release; the rest are held back.
+
+        ``per_reader``: the notifications one decode child sends this producer
+        rank (one per decode rank reading it). When the first notification for
+        a sibling arrives, the other siblings among ``registered`` are the other
+        children still to read it: ``per_reader`` notifications each are held
+        back, so upstream's count reaches its threshold with the last child's.
+        """
+        held = self._reads_to_hold.get(req_id)
+        if held is None:
+            found = self._siblings(req_id, registered)
+            held = len(found[1][0]) * per_reader if found else 0
+            if len(self._reads_to_hold) >= self.limit:
+                del self._reads_to_hold[next(iter(self._reads_to_hold))]
+        holding = min(held, notifications)
+        self._reads_to_hold[req_id] = held - holding
+        return notifications - holding
+
     def pulled(
         self,
         req_id: str,
         registered: Collection[str],
         pulled_now: Collection[str] = (),
     ) -> list[str]:
-        """A decoder pulled ``req_id``: its siblings among ``registered``.
+        """Every decoder read of ``req_id`` is in: its siblings among ``registered``.
 
         ``pulled_now``: requests pulled in the same step, released already; they
         are siblings too (the parent is remembered for them) but not returned.
-        Siblings are looked up by index, up to one past the highest index seen,
-        so O(n). If any is found the parent is remembered, and its siblings that
+        If any sibling is found the parent is remembered, and its siblings that
         register to send later are returned by ``late``.
         """
-        split = self.split(req_id) if self.enabled else None
-        if split is None:
+        self._reads_to_hold.pop(req_id, None)
+        found = self._siblings(req_id, registered, pulled_now)
+        if found is None:
             return []
-        index, parent = split
-        # Siblings 0..n-1 register together: an index beyond the number of
-        # registered requests belongs to no live group (and must not make a
-        # client-chosen id cost a long search).
-        if index > len(registered) + len(pulled_now):
-            return []
-        siblings, pulled_together = [], False
-        last, i = index, 0
-        while i <= last + 1:
-            sibling = f"{i}_{parent}"
-            if i != index and sibling in registered:
-                siblings.append(sibling)
-                last = max(last, i)
-            elif i != index and sibling in pulled_now:
-                pulled_together = True
-                last = max(last, i)
-            i += 1
+        parent, (siblings, pulled_together) = found
         if siblings or pulled_together:
             self.pulled_parents[parent] = None
             if len(self.pulled_parents) > self.limit:
@@ -350,14 +452,22 @@ class EarlyPullNotifications:
 
     A notification for a request the producer released without that request's
     own pull completing (expired or lease reaped, aborted, released as a
-    parallel-sampling sibling or at registration) is late, not early: it keeps
-    upstream's error and is not staged. The last ``limit`` such requests are
-    remembered. Few requests are released that way (nearly all by their pull),
-    so the check holds across an expiry of 480 s unless more than ``limit``
-    were since; remembering them costs nothing in a step that releases none. A
-    duplicate of a notification that completed a pull is staged like an early
-    one, and dropped with a warning once evicted.
+    parallel-sampling sibling) is late, not early: it keeps upstream's error
+    (and, from v0.32, its count of notifications after expiry) and is not
+    staged. The last ``limit`` such requests are remembered. Few requests are
+    released that way (nearly all by their pull), so the check holds across an
+    expiry of 480 s unless more than ``limit`` were since; remembering them
+    costs nothing in a step that releases none.
+
+    A notification for a request released because its pull completed repeats
+    a read (a decoder read it more times than counted): it is neither staged
+    nor an error, and is ignored with a warning. The requests released by
+    their pull in the last ``REPEAT_REPORTS`` reports that released any (at
+    most ``limit`` requests) are remembered, as the reports' own sets: no cost
+    per request, and a decoder's reads of one request end within a few steps.
     """
+
+    REPEAT_REPORTS = 128
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -368,6 +478,23 @@ class EarlyPullNotifications:
         self.complete: dict[str, int] = {}
         # Requests released without their pull completing, oldest first.
         self._released_without_pull: OrderedDict[str, None] = OrderedDict()
+        # Requests released by their pull, one set per report, oldest first.
+        self._released_by_pull: deque[AbstractSet[str]] = deque()
+        self._released_by_pull_count = 0
+
+    def released_by_pull(self, req_ids: AbstractSet[str]) -> None:
+        """Remember the requests one report released because their pull completed."""
+        self._released_by_pull.append(req_ids)
+        self._released_by_pull_count += len(req_ids)
+        while (
+            self._released_by_pull_count > self.limit
+            or len(self._released_by_pull) > self.REPEAT_REPORTS
+        ):
+            self._released_by_pull_count -= len(self._released_by_pull.popleft())
+
+    def is_repeat(self, req_id: str) -> bool:
+        """Whether ``req_id`` (not held) was released because its pull completed."""
+        return any(req_id in report for report in self._released_by_pull)
 
     def released_without_pull(self, req_ids: Iterable[str]) -> None:
         """Remember requests released (or aborted) without their pull completing."""

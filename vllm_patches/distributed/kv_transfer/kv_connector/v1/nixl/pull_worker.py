@@ -4,9 +4,10 @@
 
 NIXL producer (prefill) release path, vllm PR 43509:
 
-- F2: when a decoder pulled one parallel-sampling sibling (``n > 1``), release
-  the siblings registered with it; siblings that register later are released
-  when they register (``BestOfSiblings``).
+- F2: a decode engine reads the one parallel-sampling sibling (``n > 1``) it was
+  told about once per child: hold that sibling until all its reads are in, then
+  release it with the siblings registered with it; siblings that register
+  later are released when they register (``BestOfSiblings``).
 - F3: a pull notification that arrives before ``start_load_kv`` registered the
   request is staged and applied at registration instead of being dropped
   (``EarlyPullNotifications``).
@@ -19,18 +20,35 @@ same.
 
 from __future__ import annotations
 
-from vllm_patches._overlay import amend, call_at_end_of, filter_result_of
+from vllm_patches._overlay import amend, call_at_end_of, filter_call_in, filter_result_of
 
 
 @amend("F2", ">=0.24.0,<0.29.0")
+@amend("F2", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+@amend(
+    "F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
+)
 class NixlPullConnectorWorker:
-    """F2: the notification counters, v0.24 - v0.28."""
+    """F2: the notification counters, up to v0.28."""
 
     def _forget_sent_req(self, req_id: str) -> None:
         """Drop a request whose KV this worker no longer holds from its bookkeeping."""
         self._reqs_to_process.discard(req_id)
         self._reqs_to_send.pop(req_id, None)
         self.consumer_notification_counts_by_req.pop(req_id, None)
+
+
+@amend("F2", ">=0.24.0,<0.29.0")
+@amend("F2", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+class NixlPullConnectorWorker:
+    """F2: notifications per decode reader, v0.20 - v0.28 (from the decoder's TP)."""
+
+    def _notifications_per_reader(self, tp_size: int) -> int:
+        """How many notifications one decode request sends this worker: one per
+        decode rank reading from it (what _get_new_notifs waits for)."""
+        assert self.transfer_topo is not None
+        tp_ratio = self.transfer_topo.tp_ratio(tp_size)
+        return -tp_ratio if tp_size > self.world_size else 1
 
 
 @amend("F2", ">=0.29.0,<0.34.0")
@@ -44,6 +62,11 @@ class NixlPullConnectorWorker:
         self.consumer_notification_counts_by_req.pop(req_id, None)
         self.expected_consumer_notifications_by_req.pop(req_id, None)
 
+    def _notifications_per_reader(self, expected_consumers: int) -> int:
+        """How many notifications one decode request sends this worker: the
+        decoder writes it into each notification."""
+        return expected_consumers
+
 
 @amend("F2", ">=0.24.0,<0.34.0")
 @amend("F2", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
@@ -52,6 +75,24 @@ class NixlPullConnectorWorker:
 )
 class NixlPullConnectorWorker:
     """F2: hooks into start_load_kv and _get_new_notifs (every layout)."""
+
+    @filter_call_in("_get_new_notifs", "self.nixl_wrapper.get_new_notifs")
+    def _sibling_reads(self, notifs: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
+        """Hold back the notifications of a parallel-sampling sibling's reads
+        until every decode child reading it has notified (``_holds_back``).
+
+        Sees the NIXL notifications before _get_new_notifs counts them; costs
+        one search of the joined messages when none names a sibling (vLLM's
+        own request ids hold no "_").
+        """
+        if not self._best_of_siblings.enabled or not any(
+            b"_" in b"".join(messages) for messages in notifs.values()
+        ):
+            return notifs
+        return {
+            agent: [notif for notif in messages if not self._holds_back(notif)]
+            for agent, messages in notifs.items()
+        }
 
     @call_at_end_of("start_load_kv")
     def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
@@ -123,7 +164,7 @@ class NixlPullConnectorWorker:
         """
         assert self.transfer_topo is not None
         notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
+        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
             for notif in notifs:
                 msg = notif.decode("utf-8")
 
@@ -148,9 +189,11 @@ class NixlPullConnectorWorker:
                     and req_id not in self._reqs_to_process
                 ):
                     if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv: count it until the
-                        # request registers to send.
-                        self._stage_early_notif(req_id, consumers_per_producer)
+                        # The pull raced start_load_kv (staged until the request
+                        # registers to send) or repeats a completed one.
+                        self._notif_not_held(
+                            req_id, consumers_per_producer, notified_req_ids
+                        )
                         continue
                     logger.error(
                         "Potentially invalid KV blocks for "
@@ -170,7 +213,7 @@ class NixlPullConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._pulled_now = frozenset(notified_req_ids)
+        self._note_pulls(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -189,7 +232,7 @@ class NixlPullConnectorWorker:
         """
         assert self.transfer_topo is not None
         notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
+        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
             for notif in notifs:
                 msg = notif.decode("utf-8")
 
@@ -204,9 +247,11 @@ class NixlPullConnectorWorker:
                     and req_id not in self._reqs_to_process
                 ):
                     if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv: count it until the
-                        # request registers to send.
-                        self._stage_early_notif(req_id, int(expected_consumers))
+                        # The pull raced start_load_kv (staged until the request
+                        # registers to send) or repeats a completed one.
+                        self._notif_not_held(
+                            req_id, int(expected_consumers), notified_req_ids
+                        )
                         continue
                     logger.error(
                         "Potentially invalid KV blocks for "
@@ -234,7 +279,7 @@ class NixlPullConnectorWorker:
                     del self.expected_consumer_notifications_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._pulled_now = frozenset(notified_req_ids)
+        self._note_pulls(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -252,7 +297,7 @@ class NixlPullConnectorWorker:
         """
         assert self.transfer_topo is not None
         notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
+        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
             for notif in notifs:
                 msg = notif.decode("utf-8")
 
@@ -267,9 +312,11 @@ class NixlPullConnectorWorker:
                     and req_id not in self._reqs_to_process
                 ):
                     if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv: count it until the
-                        # request registers to send.
-                        self._stage_early_notif(req_id, int(expected_consumers))
+                        # The pull raced start_load_kv (staged until the request
+                        # registers to send) or repeats a completed one.
+                        self._notif_not_held(
+                            req_id, int(expected_consumers), notified_req_ids
+                        )
                         continue
                     logger.error(
                         "Potentially invalid KV blocks for "
@@ -297,7 +344,7 @@ class NixlPullConnectorWorker:
                     del self.expected_consumer_notifications_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._pulled_now = frozenset(notified_req_ids)
+        self._note_pulls(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -315,7 +362,7 @@ class NixlPullConnectorWorker:
         """
         assert self.transfer_topo is not None
         notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
+        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
             for notif in notifs:
                 msg = notif.decode("utf-8")
 
@@ -329,12 +376,14 @@ class NixlPullConnectorWorker:
                     req_id not in self._reqs_to_send
                     and req_id not in self._reqs_to_process
                 ):
-                    self.xfer_stats.record_notification_after_expiry()
                     if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv: count it until the
-                        # request registers to send.
-                        self._stage_early_notif(req_id, int(expected_consumers))
+                        # The pull raced start_load_kv (staged until the request
+                        # registers to send) or repeats a completed one.
+                        self._notif_not_held(
+                            req_id, int(expected_consumers), notified_req_ids
+                        )
                         continue
+                    self.xfer_stats.record_notification_after_expiry()
                     logger.error(
                         "Potentially invalid KV blocks for "
                         "unrecognized request %s were retrieved by "
@@ -361,5 +410,5 @@ class NixlPullConnectorWorker:
                     del self.expected_consumer_notifications_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._pulled_now = frozenset(notified_req_ids)
+        self._note_pulls(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)

@@ -4,9 +4,10 @@
 
 NIXL producer (prefill) release path, vllm PR 43509:
 
-- F2: when a decoder pulled one parallel-sampling sibling (``n > 1``), release
-  the siblings registered with it; siblings that register later are released
-  when they register (``BestOfSiblings``).
+- F2: a decode engine reads the one parallel-sampling sibling (``n > 1``) it was
+  told about once per child: hold that sibling until all its reads are in, then
+  release it with the siblings registered with it; siblings that register
+  later are released when they register (``BestOfSiblings``).
 - F3: a pull notification that arrives before ``start_load_kv`` registered the
   request is staged and applied at registration instead of being dropped
   (``EarlyPullNotifications``).
@@ -23,18 +24,6 @@ from __future__ import annotations
 from vllm_patches._overlay import amend
 
 
-@amend("F2", ">=0.20.0,<0.24.0")
-@amend("F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py")
-class NixlConnectorWorker:
-    """F2: the notification counters live here up to v0.23."""
-
-    def _forget_sent_req(self, req_id: ReqId) -> None:
-        """Drop a request whose KV this worker no longer holds from its bookkeeping."""
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
-
-
 @amend("F3", ">=0.20.0,<0.22.0")
 class NixlConnectorWorker:
     """F3, v0.20 - v0.21 (expiry timeout)."""
@@ -47,7 +36,7 @@ class NixlConnectorWorker:
         """
         assert self.transfer_topo is not None
         notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
+        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
             for notif in notifs:
                 req_id, tp_size = notif.decode("utf-8").rsplit(":", 1)
                 # NOTE: `tp_ratio` is the opposite when swapping local<>remote
@@ -65,9 +54,11 @@ class NixlConnectorWorker:
                     and req_id not in self._reqs_to_process
                 ):
                     if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv: count it until the
-                        # request registers to send.
-                        self._stage_early_notif(req_id, consumers_per_producer)
+                        # The pull raced start_load_kv (staged until the request
+                        # registers to send) or repeats a completed one.
+                        self._notif_not_held(
+                            req_id, consumers_per_producer, notified_req_ids
+                        )
                         continue
                     logger.error(
                         "Potentially invalid KV blocks for "
@@ -87,7 +78,7 @@ class NixlConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._pulled_now = frozenset(notified_req_ids)
+        self._note_pulls(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
 
 
@@ -106,7 +97,7 @@ class NixlConnectorWorker:
         """
         assert self.transfer_topo is not None
         notified_req_ids: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
+        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
             for notif in notifs:
                 msg = notif.decode("utf-8")
 
@@ -131,9 +122,11 @@ class NixlConnectorWorker:
                     and req_id not in self._reqs_to_process
                 ):
                     if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv: count it until the
-                        # request registers to send.
-                        self._stage_early_notif(req_id, consumers_per_producer)
+                        # The pull raced start_load_kv (staged until the request
+                        # registers to send) or repeats a completed one.
+                        self._notif_not_held(
+                            req_id, consumers_per_producer, notified_req_ids
+                        )
                         continue
                     logger.error(
                         "Potentially invalid KV blocks for "
@@ -153,5 +146,5 @@ class NixlConnectorWorker:
                     del self.consumer_notification_counts_by_req[req_id]
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
-        self._pulled_now = frozenset(notified_req_ids)
+        self._note_pulls(notified_req_ids)
         return self._release_pulled_siblings(notified_req_ids)
