@@ -370,13 +370,12 @@ def _one_argument_per_line(call: cst.Call) -> cst.Call:
                                whitespace_after_arg=line(""))])
 
 
-class _ReturnRewriter(cst.CSTTransformer):
-    """Rewrites the ``return`` statements of one function body, not of nested scopes."""
+class _OwnScopeTransformer(cst.CSTTransformer):
+    """Visits one function body; ``nested`` is how deep inside a function, class or
+    lambda defined in it a node is (0: the body's own code)."""
 
-    def __init__(self, kind: str, call: str, where: str) -> None:
-        self.kind, self.call, self.where = kind, call, where
+    def __init__(self) -> None:
         self.nested = 0
-        self.returns = 0
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         self.nested += 1
@@ -388,6 +387,17 @@ class _ReturnRewriter(cst.CSTTransformer):
 
     visit_ClassDef = visit_FunctionDef  # type: ignore[assignment]
     leave_ClassDef = leave_FunctionDef  # type: ignore[assignment]
+    visit_Lambda = visit_FunctionDef  # type: ignore[assignment]
+    leave_Lambda = leave_FunctionDef  # type: ignore[assignment]
+
+
+class _ReturnRewriter(_OwnScopeTransformer):
+    """Rewrites the ``return`` statements of one function body, not of nested scopes."""
+
+    def __init__(self, kind: str, call: str, where: str) -> None:
+        super().__init__()
+        self.kind, self.call, self.where = kind, call, where
+        self.returns = 0
 
     def leave_SimpleStatementSuite(self, original, updated):
         if not self.nested and any(isinstance(s, cst.Return) for s in updated.body):
@@ -422,29 +432,16 @@ class _ReturnRewriter(cst.CSTTransformer):
                                     updated.with_changes(leading_lines=[])])
 
 
-class _CallFilter(cst.CSTTransformer):
+class _CallFilter(_OwnScopeTransformer):
     """Wraps every call of one callee in one function body (not in nested scopes)."""
 
     def __init__(self, callee: str, hook_call: str) -> None:
+        super().__init__()
         self.callee, self.hook_call = callee, hook_call
-        self.nested = 0
         self.calls = 0
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self.nested += 1
-        return True
-
-    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
-        self.nested -= 1
-        return updated
-
-    visit_ClassDef = visit_FunctionDef  # type: ignore[assignment]
-    leave_ClassDef = leave_FunctionDef  # type: ignore[assignment]
-    visit_Lambda = visit_FunctionDef  # type: ignore[assignment]
-    leave_Lambda = leave_FunctionDef  # type: ignore[assignment]
-
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        if self.nested > 1 or cst.Module([]).code_for_node(original.func) != self.callee:
+        if self.nested or cst.Module([]).code_for_node(original.func) != self.callee:
             return updated
         self.calls += 1
         return cst.parse_expression(f"{self.hook_call}(_)").with_changes(args=[cst.Arg(updated)])
@@ -454,11 +451,11 @@ def filter_calls(function: cst.FunctionDef, callee: str, hook: str, where: str) 
     """``function`` with each call of ``callee`` in its body ``c(...)`` written
     ``self.<hook>(c(...))`` (``@filter_call_in``); the splice and the runtime both use it."""
     rewriter = _CallFilter(callee, f"self.{hook}")
-    rewritten = function.visit(rewriter)
+    body = function.body.visit(rewriter)
     if not rewriter.calls:
         raise SpliceError(f"{where}: {function.name.value} makes no call of {callee}")
-    assert isinstance(rewritten, cst.FunctionDef)
-    return rewritten
+    assert isinstance(body, cst.BaseSuite)
+    return function.with_changes(body=body)
 
 
 def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef,
