@@ -24,29 +24,36 @@ UPSTREAM_PACKAGE = "vllm"
 
 
 @dataclass(frozen=True)
-class Deselect:
-    """An upstream test left out of a fix's lane runs, for some releases, and why."""
+class UpstreamTestNote:
+    """An upstream test a fix's metadata names for some releases, and why:
+    ``[[deselect]]`` (left out of the lane runs) or ``[[timing_sensitive]]`` (rerun
+    alone when it fails in a lane; see tools/lanes.py)."""
 
     node: str
     releases: SpecifierSet
     why: str
 
     @classmethod
-    def load_all(cls, entries: object, path: Path) -> tuple[Deselect, ...]:
-        """``[[deselect]]`` tables: ``node``, ``why`` and optional ``releases`` (a PEP 440
+    def load_all(cls, entries: object, path: Path, table: str) -> tuple[UpstreamTestNote, ...]:
+        """``[[table]]`` tables: ``node``, ``why`` and optional ``releases`` (a PEP 440
         specifier; every release when absent)."""
         if not isinstance(entries, list):
-            raise TypeError(f"{path}: deselect must be an array of tables ([[deselect]])")
+            raise TypeError(f"{path}: {table} must be an array of tables ([[{table}]])")
         result = []
         for entry in entries:
             if not isinstance(entry, dict) or entry.keys() - {"node", "releases", "why"}:
-                raise ValueError(f"{path}: deselect entry {entry!r}: keys are node, releases, why")
+                raise ValueError(f"{path}: {table} entry {entry!r}: keys are node, releases, why")
             result.append(cls(node=entry["node"], releases=SpecifierSet(entry.get("releases", "")),
                               why=entry["why"].strip()))
         return tuple(result)
 
     def applies(self, release: Version) -> bool:
         return release in self.releases
+
+    def names(self, node: str) -> bool:
+        """Whether ``node`` is this test: the node itself, or one of its parameters
+        when the note names the test function."""
+        return node == self.node or ("[" not in self.node and node.startswith(self.node + "["))
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,8 @@ class Fix:
     tests: tuple[str, ...]
     stock_fails: tuple[str, ...]
     upstream_tests: tuple[str, ...]
-    deselect: tuple[Deselect, ...]
+    deselect: tuple[UpstreamTestNote, ...]
+    timing_sensitive: tuple[UpstreamTestNote, ...]
 
     @classmethod
     def load(cls, path: Path) -> Fix:
@@ -89,7 +97,9 @@ class Fix:
             tests=tuple(data["tests"]),
             stock_fails=tuple(data["stock_fails"]),
             upstream_tests=tuple(data.get("upstream_tests", ())),
-            deselect=Deselect.load_all(data.get("deselect", []), path),
+            deselect=UpstreamTestNote.load_all(data.get("deselect", []), path, "deselect"),
+            timing_sensitive=UpstreamTestNote.load_all(data.get("timing_sensitive", []), path,
+                                                       "timing_sensitive"),
         )
 
     @property
@@ -107,6 +117,10 @@ class Fix:
     def deselected(self, release: Version) -> list[str]:
         """The upstream test node ids left out of ``release``'s lane run."""
         return [entry.node for entry in self.deselect if entry.applies(release)]
+
+    def timing_sensitive_on(self, release: Version) -> list[UpstreamTestNote]:
+        """The upstream tests of ``release`` whose time limits a loaded machine can miss."""
+        return [entry for entry in self.timing_sensitive if entry.applies(release)]
 
     def is_upstream(self, release: Version) -> bool:
         return self.upstream_since is not None and release >= self.upstream_since

@@ -112,8 +112,8 @@ VERSION_GRID = [Version(f"0.{minor}.{patch}") for minor in range(100) for patch 
 def test_deselects_say_why_and_name_upstream_tests_of_needed_releases(fix):
     upstream_files = {test.split("::")[0] for test in fix.upstream_tests}
     needed = [v for v in VERSION_GRID if fix.verdict(v) is None]
-    for entry in fix.deselect:
-        assert len(entry.why.split()) >= 3, f"{entry.node}: say why it is deselected"
+    for entry in (*fix.deselect, *fix.timing_sensitive):
+        assert len(entry.why.split()) >= 3, f"{entry.node}: say why it is listed"
         path, _, name = entry.node.partition("::")
         assert name, f"{entry.node}: deselect test nodes, not whole files"
         assert path in upstream_files, f"{entry.node}: not under {fix.id}'s upstream_tests"
@@ -148,3 +148,19 @@ why = "loads real model weights"
     path.write_text(base + f'[[deselect]]\nnode = "{node}"\nwhy = "w"\nrelease = ">=0.21"\n')
     with pytest.raises(ValueError, match="keys are node, releases, why"):
         _series.Fix.load(path)
+
+
+def test_timing_sensitive_notes_name_a_test_or_all_its_parameters(tmp_path):
+    base = (_series.PACKAGE_DIR / "fixes" / "F1.toml").read_text()
+    path = tmp_path / "F9.toml"
+    path.write_text(base + '''
+[[timing_sensitive]]
+node = "tests/v1/core/test_prefix_caching.py::TestX::test_y"
+releases = "<0.30.0"
+why = "a 2.5 s limit on a busy machine"
+''')
+    (note,) = _series.Fix.load(path).timing_sensitive_on(Version("0.21.0"))
+    assert note.names("tests/v1/core/test_prefix_caching.py::TestX::test_y[1-1]")
+    assert note.names("tests/v1/core/test_prefix_caching.py::TestX::test_y")
+    assert not note.names("tests/v1/core/test_prefix_caching.py::TestX::test_yz")
+    assert not _series.Fix.load(path).timing_sensitive_on(Version("0.30.0"))

@@ -53,7 +53,7 @@ def siblings(n: int, parent: str = PARENT) -> list[str]:
     return [f"{i}_{parent}" for i in range(n)]
 
 
-@pytest.mark.parametrize("consumers", [1, 2])
+@pytest.mark.parametrize("consumers", [1, 2, 4])
 def test_one_sibling_pull_releases_all_registered_siblings(make_producer, consumers):
     producer = make_producer()
     children = siblings(8)
