@@ -26,25 +26,31 @@ UPSTREAM_PACKAGE = "vllm"
 @dataclass(frozen=True)
 class UpstreamTestNote:
     """An upstream test a fix's metadata names for some releases, and why:
-    ``[[deselect]]`` (left out of the lane runs) or ``[[timing_sensitive]]`` (rerun
-    alone when it fails in a lane; see tools/lanes.py)."""
+    ``[[deselect]]`` (left out of the lane runs: the CPU, offline environment fails
+    it), ``[[timing_sensitive]]`` (rerun alone when it fails in a lane) or
+    ``[[replaces]]`` (its expectation is what the fix changes; ``by`` names the fix
+    test that checks the new one; see tools/lanes.py)."""
 
     node: str
     releases: SpecifierSet
     why: str
+    by: str = ""
 
     @classmethod
     def load_all(cls, entries: object, path: Path, table: str) -> tuple[UpstreamTestNote, ...]:
-        """``[[table]]`` tables: ``node``, ``why`` and optional ``releases`` (a PEP 440
-        specifier; every release when absent)."""
+        """``[[table]]`` tables: ``node``, ``why``, optional ``releases`` (a PEP 440
+        specifier; every release when absent), and for ``replaces`` ``by``."""
+        keys = {"node", "releases", "why"} | ({"by"} if table == "replaces" else set())
         if not isinstance(entries, list):
             raise TypeError(f"{path}: {table} must be an array of tables ([[{table}]])")
         result = []
         for entry in entries:
-            if not isinstance(entry, dict) or entry.keys() - {"node", "releases", "why"}:
-                raise ValueError(f"{path}: {table} entry {entry!r}: keys are node, releases, why")
+            if not isinstance(entry, dict) or entry.keys() - keys or (
+                    table == "replaces" and "by" not in entry):
+                raise ValueError(f"{path}: {table} entry {entry!r}: keys are "
+                                 f"{', '.join(sorted(keys))}")
             result.append(cls(node=entry["node"], releases=SpecifierSet(entry.get("releases", "")),
-                              why=entry["why"].strip()))
+                              why=entry["why"].strip(), by=entry.get("by", "")))
         return tuple(result)
 
     def applies(self, release: Version) -> bool:
@@ -77,6 +83,7 @@ class Fix:
     upstream_tests: tuple[str, ...]
     deselect: tuple[UpstreamTestNote, ...]
     timing_sensitive: tuple[UpstreamTestNote, ...]
+    replaces: tuple[UpstreamTestNote, ...]
 
     @classmethod
     def load(cls, path: Path) -> Fix:
@@ -100,6 +107,7 @@ class Fix:
             deselect=UpstreamTestNote.load_all(data.get("deselect", []), path, "deselect"),
             timing_sensitive=UpstreamTestNote.load_all(data.get("timing_sensitive", []), path,
                                                        "timing_sensitive"),
+            replaces=UpstreamTestNote.load_all(data.get("replaces", []), path, "replaces"),
         )
 
     @property
@@ -117,6 +125,10 @@ class Fix:
     def deselected(self, release: Version) -> list[str]:
         """The upstream test node ids left out of ``release``'s lane run."""
         return [entry.node for entry in self.deselect if entry.applies(release)]
+
+    def replaced(self, release: Version) -> list[str]:
+        """The upstream test node ids whose expectation the fix changes on ``release``."""
+        return [entry.node for entry in self.replaces if entry.applies(release)]
 
     def timing_sensitive_on(self, release: Version) -> list[UpstreamTestNote]:
         """The upstream tests of ``release`` whose time limits a loaded machine can miss."""
