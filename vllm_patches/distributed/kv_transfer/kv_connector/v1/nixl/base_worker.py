@@ -121,6 +121,11 @@ class NixlBaseConnectorWorker:
         bookkeeping. Subclasses own the notification counters."""
         raise NotImplementedError
 
+    def _notifications_per_reader(self, readers: int) -> int:
+        """How many notifications one decode request sends this worker, from the
+        number its notifications carry. Subclasses own the notification format."""
+        raise NotImplementedError
+
 
 @amend("F3", ">=0.24.0,<0.34.0")
 @amend("F3", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
