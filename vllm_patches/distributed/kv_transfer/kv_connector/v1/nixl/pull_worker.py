@@ -76,22 +76,27 @@ class NixlPullConnectorWorker:
 class NixlPullConnectorWorker:
     """F2: hooks into start_load_kv and _get_new_notifs (every layout)."""
 
+    # Whether the notifications of the current _get_new_notifs name a request
+    # shaped like a sibling (vLLM's own request ids hold no "_"): set by
+    # _sibling_reads, read by _release_pulled_siblings. The class default serves
+    # workers built without __init__ (upstream's tests build some).
+    _siblings_notified = False
+
     @filter_call_in("_get_new_notifs", "self.nixl_wrapper.get_new_notifs")
     def _sibling_reads(self, notifs: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
         """Hold back the notifications of a parallel-sampling sibling's reads
         until every decode child reading it has notified (``_holds_back``).
 
         Sees the NIXL notifications before _get_new_notifs counts them; costs
-        one search of the joined messages when none names a sibling (vLLM's
-        own request ids hold no "_").
+        one search of the joined messages when none names a sibling.
         """
-        # None in a worker built without __init__ (upstream's tests build some).
         siblings = getattr(self, "_best_of_siblings", None)
-        if (
-            siblings is None
-            or not siblings.enabled
-            or not any(b"_" in b"".join(messages) for messages in notifs.values())
-        ):
+        self._siblings_notified = (
+            siblings is not None
+            and siblings.enabled
+            and any(b"_" in b"".join(messages) for messages in notifs.values())
+        )
+        if not self._siblings_notified:
             return notifs
         return {
             agent: [notif for notif in messages if not self._holds_back(notif)]
@@ -117,9 +122,9 @@ class NixlPullConnectorWorker:
         """Add to the requests ``_get_new_notifs`` releases their parallel-sampling
         siblings (the KV a decoder pulled is theirs too) and the requests
         ``start_load_kv`` released when they registered."""
-        # Most steps release no sibling-shaped id; one search of the joined ids
-        # (in C) says so for about a third of the cost of testing each id.
-        if "_" in "".join(notified_req_ids):
+        # What _get_new_notifs released it released by the notifications
+        # _sibling_reads saw: no sibling among them unless those named one.
+        if self._siblings_notified:
             pulled = [req_id for req_id in notified_req_ids if "_" in req_id]
             for req_id in pulled:
                 notified_req_ids |= self._release_best_of_siblings(
