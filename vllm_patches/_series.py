@@ -64,6 +64,7 @@ class Fix:
     releases: SpecifierSet
     upstream_since: Version | None
     future: str
+    requires: tuple[str, ...]  # fixes this one is built on (ids), applied before it
     overlays: tuple[str, ...]
     tests: tuple[str, ...]
     stock_fails: tuple[str, ...]
@@ -85,6 +86,7 @@ class Fix:
             releases=SpecifierSet(data["releases"]),
             upstream_since=Version(data["upstream_since"]) if data["upstream_since"] else None,
             future=data["future"],
+            requires=tuple(data.get("requires", ())),
             overlays=tuple(data["overlays"]),
             tests=tuple(data["tests"]),
             stock_fails=tuple(data["stock_fails"]),
@@ -135,6 +137,17 @@ class Series:
                 return fix
         known = ", ".join(f.id for f in self.fixes)
         raise UserError(f"unknown fix {fix_id!r} (the series has {known})")
+
+    def with_requirements(self, fix: Fix) -> list[Fix]:
+        """``fix`` and every fix it requires, directly or not, in series order."""
+        wanted = {fix.id}
+        pending = [fix]
+        while pending:
+            for required in pending.pop().requires:
+                if required not in wanted:
+                    wanted.add(required)
+                    pending.append(self.fix(required))
+        return [f for f in self.fixes if f.id in wanted]
 
     def applicable(self, release: Version) -> list[Fix]:
         """The fixes ``release`` needs, in series order."""
