@@ -155,8 +155,9 @@ def vllm_test_env(tree: Path, dist_root: Path) -> dict[str, str]:
 def package_stamp() -> str:
     """A hash of everything the installed package is built from."""
     digest = hashlib.sha256()
+    folders = ("vllm_patches", "patches", "tests/v1")  # tests/v1: bundled for `export`
     files = [REPO / "pyproject.toml", *sorted(
-        path for folder in ("vllm_patches", "patches") for path in (REPO / folder).rglob("*")
+        path for folder in folders for path in (REPO / folder).rglob("*")
         if path.is_file() and "__pycache__" not in path.parts)]
     for path in files:
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
