@@ -92,8 +92,7 @@ class Export:
     fixes: tuple[Fix, ...]  # the series: what ``fix`` requires, then ``fix``, in series order
     named: tuple[str, ...]  # requirements not in the series, and why (upstream, not needed)
     release: Version
-    base: str  # the commit the series is built on
-    base_text: str  # the base as the cover names it
+    base_text: str  # the commit the series is built on, as the cover names it
     steps: tuple[Step, ...]
     patches: tuple[tuple[str, str], ...]  # (file name, text) as git format-patch writes them
 
@@ -165,7 +164,7 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Iden
     named = tuple(f"{f.id} {f.verdict(release)}" for f in wanted if f not in fixes)
     base = _git.head(repo)
     if onto:
-        base_text = f"{repo} HEAD {base[:12]}"
+        base_text = f"commit {base[:12]}"
     else:
         upstream = _releases.upstream_commit(repo)
         base_text = f"vLLM v{release}" + (f" (upstream commit {upstream})" if upstream else "")
@@ -195,7 +194,7 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Iden
                      *([f"--base={base}"] if onto else []), "-o", str(out), f"{base}..{tip}",
                      env=env)
             patches = [(path.name, path.read_text()) for path in sorted(out.iterdir())]
-    return Export(fix, fixes, named, release, base, base_text, tuple(steps), tuple(patches))
+    return Export(fix, fixes, named, release, base_text, tuple(steps), tuple(patches))
 
 
 def _add_fix(repo: Path, env: dict[str, str], base: str, fix: Fix, patch: Path,
