@@ -64,12 +64,12 @@ class Fix:
     releases: SpecifierSet
     upstream_since: Version | None
     future: str
-    requires: tuple[str, ...]  # fixes this one is built on (ids), applied before it
     overlays: tuple[str, ...]
     tests: tuple[str, ...]
     stock_fails: tuple[str, ...]
     upstream_tests: tuple[str, ...]
     deselect: tuple[Deselect, ...]
+    requires: tuple[str, ...] = ()  # ids of the fixes this one is built on, applied before it
 
     @classmethod
     def load(cls, path: Path) -> Fix:
