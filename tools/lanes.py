@@ -89,21 +89,28 @@ def ensure_venv(release: Version, tree: Path) -> Path:
     """A venv for ``release``'s tests; rebuilt when its requirements change."""
     regular, no_deps = lane_requirements(tree)
     wanted = "\n".join([TORCH, *regular, *no_deps, *NO_DEPS_EXTRA, *TEST_PACKAGES])
+    installs = [[TORCH], [TORCH, *regular, *NO_DEPS_EXTRA, *TEST_PACKAGES], ["--no-deps", *no_deps]]
+    return cached_venv(BUILD / "venvs" / f"v{release}", wanted, installs, f"v{release}")
+
+
+def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str) -> Path:
+    """The python of a venv at ``venv`` made by ``installs`` (pip install arguments, in
+    order); made again only when ``wanted`` (what they install) changes: a stamp of it
+    sits in the venv."""
     stamp = hashlib.sha256(wanted.encode()).hexdigest()
-    venv = BUILD / "venvs" / f"v{release}"
     python = venv / "bin" / "python"
     stamp_file = venv / ".requirements-sha256"
     if stamp_file.is_file() and stamp_file.read_text() == stamp:
         return python
-    log(f"v{release}: creating {venv}")
+    log(f"{label}: creating {venv}")
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    for args in ([TORCH], [TORCH, *regular, *NO_DEPS_EXTRA, *TEST_PACKAGES], ["--no-deps", *no_deps]):
+    for args in installs:
         proc = subprocess.run([*pip, *args], capture_output=True, text=True)
         if proc.returncode != 0:
             sys.stdout.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise SystemExit(f"v{release}: pip install failed")
+            raise SystemExit(f"{label}: pip install failed")
     stamp_file.write_text(stamp)
     return python
 
@@ -155,8 +162,9 @@ def vllm_test_env(tree: Path, dist_root: Path) -> dict[str, str]:
 def package_stamp() -> str:
     """A hash of everything the installed package is built from."""
     digest = hashlib.sha256()
+    folders = ("vllm_patches", "patches", "tests/v1")  # tests/v1: bundled for `export`
     files = [REPO / "pyproject.toml", *sorted(
-        path for folder in ("vllm_patches", "patches") for path in (REPO / folder).rglob("*")
+        path for folder in folders for path in (REPO / folder).rglob("*")
         if path.is_file() and "__pycache__" not in path.parts)]
     for path in files:
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())

@@ -3,8 +3,11 @@
 #   1. patches/ is what the overlays generate today (regen --check);
 #   2. the tool's own tests (tests/tool);
 #   3. the lanes: every fix test fails on stock vLLM and passes patched, and
-#      upstream's suites pass patched, for each pinned release (tools/lanes.py).
-# Arguments go to tools/lanes.py (e.g. --release v0.21.0). Needs python3.11+ and git.
+#      upstream's suites pass patched, for each pinned release (tools/lanes.py);
+#   4. what `export` sends upstream, each fix on its newest lane: upstream's pre-commit
+#      passes on it, its tests fail on stock and pass exported (tools/export_check.py).
+# Arguments go to tools/lanes.py and tools/export_check.py (e.g. --release v0.21.0).
+# Needs python3.11+ and git.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,3 +23,5 @@ echo "== tool tests"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests/tool
 echo "== lanes"
 .venv/bin/python tools/lanes.py "$@"
+echo "== exported series"
+.venv/bin/python tools/export_check.py "$@"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _doctor, _git, _matrix, _patches, _releases, _series
+from vllm_patches import _doctor, _export, _git, _matrix, _patches, _releases, _series
 from vllm_patches._checkout import Checkout, State
 from vllm_patches._errors import Refused, UserError
 
@@ -101,23 +101,8 @@ def _report(checkout: Checkout, planned, check: bool, verb: str, noun: str) -> i
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    series = _series.load()
-    fix = series.fix(args.fix)
-    releases = [args.release] if args.release else sorted(series.releases, reverse=True)
-    for release in releases:
-        series.require_supported(release)
-        for path in _patches.series_patches(release):
-            if path.name.endswith(f"-{fix.name}.patch"):
-                text = path.read_text()
-                if args.output:
-                    Path(args.output).write_text(text)
-                    print(f"wrote {args.output} ({fix.id} for vLLM v{release})")
-                else:
-                    sys.stdout.write(text)
-                return EXIT_OK
-        if args.release:
-            raise UserError(f"{fix.id} has no patch for v{release}: {fix.verdict(release)}")
-    raise UserError(f"{fix.id} has no patch for any supported release")
+    return _export.command(_series.load(), args.fix, args.release, args.onto, args.output,
+                           args.three_way, args.check)
 
 
 def cmd_regen(args: argparse.Namespace) -> int:
@@ -220,10 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--no-commit", action="store_true",
                      help="change the work tree only instead of adding revert commits")
 
-    sub = verb("export", cmd_export, "write one fix's patch, ready for an upstream PR")
+    sub = verb("export", cmd_export, "one fix as an upstream pull request: the fix and its "
+                                     "tests, with the fixes it requires, signed off by you")
     sub.add_argument("fix", help="fix id, e.g. F1")
-    release_option(sub, help="the release to export for (default: newest lane that has it)")
-    sub.add_argument("-o", "--output", help="file to write (default: stdout)")
+    release_option(sub, help="whose patches (default: the --onto checkout's release, else the "
+                             "newest lane that has the fix)")
+    sub.add_argument("--onto", metavar="CHECKOUT",
+                     help="your vLLM clone or branch: check the series applies on its HEAD and "
+                          "git am it there (all or nothing)")
+    sub.add_argument("--3way", dest="three_way", action="store_true",
+                     help="with --onto: let git fall back to a 3-way merge")
+    sub.add_argument("--check", action="store_true",
+                     help="with --onto: only say whether it applies, per patch")
+    sub.add_argument("-o", "--output", metavar="DIR",
+                     help="write the patches and the PR description into this new directory "
+                          "(default: the patches as one mbox on stdout)")
 
     sub = verb("regen", cmd_regen, "regenerate patches/ from the overlays")
     sub.add_argument("--check", action="store_true",

@@ -30,6 +30,23 @@ def run(repo: Path, *args: str, env: dict[str, str] | None = None, check: bool =
     return proc
 
 
+def objects_dir(repo: Path) -> Path:
+    """The repository's object store (shared by all its worktrees)."""
+    return repo / run(repo, "rev-parse", "--git-path", "objects").stdout.strip()
+
+
+def scratch_env(repo: Path, scratch: Path, reads: tuple[Path, ...] = ()) -> dict[str, str]:
+    """Environment for git calls that must leave ``repo`` as it is: a throwaway index
+    (``scratch/index``) and a throwaway object store (``scratch/objects``) that reads
+    ``repo``'s objects, and those of the stores ``reads``, as alternates. Blobs, trees and
+    commits such calls write go to ``scratch``; the repository is only read."""
+    objects = scratch / "objects"
+    objects.mkdir(parents=True, exist_ok=True)
+    alternates = [objects_dir(repo), *(store / "objects" for store in reads)]
+    return {"GIT_INDEX_FILE": str(scratch / "index"), "GIT_OBJECT_DIRECTORY": str(objects),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.pathsep.join(map(str, alternates))}
+
+
 def is_repo(path: Path) -> bool:
     return run(path, "rev-parse", "--git-dir", check=False).returncode == 0 if path.is_dir() else False
 

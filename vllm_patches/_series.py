@@ -82,8 +82,9 @@ class Fix:
     stock_fails: tuple[str, ...]
     upstream_tests: tuple[str, ...]
     deselect: tuple[UpstreamTestNote, ...]
-    timing_sensitive: tuple[UpstreamTestNote, ...]
-    replaces: tuple[UpstreamTestNote, ...]
+    timing_sensitive: tuple[UpstreamTestNote, ...] = ()
+    replaces: tuple[UpstreamTestNote, ...] = ()
+    requires: tuple[str, ...] = ()  # ids of the fixes this one is built on, applied before it
 
     @classmethod
     def load(cls, path: Path) -> Fix:
@@ -100,6 +101,7 @@ class Fix:
             releases=SpecifierSet(data["releases"]),
             upstream_since=Version(data["upstream_since"]) if data["upstream_since"] else None,
             future=data["future"],
+            requires=tuple(data.get("requires", ())),
             overlays=tuple(data["overlays"]),
             tests=tuple(data["tests"]),
             stock_fails=tuple(data["stock_fails"]),
@@ -161,6 +163,17 @@ class Series:
                 return fix
         known = ", ".join(f.id for f in self.fixes)
         raise UserError(f"unknown fix {fix_id!r} (the series has {known})")
+
+    def with_requirements(self, fix: Fix) -> list[Fix]:
+        """``fix`` and every fix it requires, directly or not, in series order."""
+        wanted = {fix.id}
+        pending = [fix]
+        while pending:
+            for required in pending.pop().requires:
+                if required not in wanted:
+                    wanted.add(required)
+                    pending.append(self.fix(required))
+        return [f for f in self.fixes if f.id in wanted]
 
     def applicable(self, release: Version) -> list[Fix]:
         """The fixes ``release`` needs, in series order."""

@@ -1,6 +1,7 @@
 """The series metadata is data; these checks keep it true to the overlays and patches."""
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import libcst as cst
@@ -106,6 +107,33 @@ def test_each_lane_has_one_patch_per_needed_fix(release):
 
 # Every release a fix's range or a deselect's range can name (vLLM is 0.x: 0.0.0 .. 0.99.9).
 VERSION_GRID = [Version(f"0.{minor}.{patch}") for minor in range(100) for patch in range(10)]
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
+def test_required_fixes_come_first_and_are_there_wherever_the_fix_is(fix):
+    """``requires``: the fixes this one is built on. They come earlier in the series (so
+    there is no cycle, and patch k is generated on top of them), and wherever this fix
+    is needed each is needed too or already upstream. That every requirement is
+    declared is proven by exporting each fix alone (tests/tool/test_export.py)."""
+    order = [f.id for f in FIXES]
+    assert len(set(fix.requires)) == len(fix.requires)
+    for required_id in fix.requires:
+        required = SERIES.fix(required_id)
+        assert order.index(required_id) < order.index(fix.id), f"{required_id} comes later"
+        for version in VERSION_GRID:
+            if fix.verdict(version) is None:
+                assert required.verdict(version) is None or required.is_upstream(version), (
+                    f"v{version} needs {fix.id} but not {required_id}: {required.verdict(version)}")
+
+
+def test_with_requirements_follows_requirements_of_requirements():
+    f1, f2, f3, f4 = FIXES[:4]
+    chained = _series.Series(
+        fixes=(f1, replace(f2, requires=("F1",)), replace(f3, requires=("F2",)), f4),
+        releases=SERIES.releases)
+    assert [f.id for f in chained.with_requirements(chained.fix("F3"))] == ["F1", "F2", "F3"]
+    assert [f.id for f in SERIES.with_requirements(SERIES.fix("F3"))] == ["F2", "F3"]
+    assert [f.id for f in SERIES.with_requirements(SERIES.fix("F4"))] == ["F4"]
 
 
 @pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)

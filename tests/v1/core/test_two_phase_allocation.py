@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Cross-group prefix-cache hits plus external (connector) tokens must never hand
 one physical block to two KV-cache groups.
 
@@ -68,7 +69,9 @@ def make_hybrid_config(
             sliding_window=sliding_window_blocks * BLOCK_SIZE,
         )
         groups.append(KVCacheGroupSpec([f"swa{i}"], spec))
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+    )
 
 
 def make_manager(kv_cache_config: KVCacheConfig) -> KVCacheManager:
@@ -158,7 +161,8 @@ def free_all_but(manager: KVCacheManager, keep: int, seed: int) -> None:
     num_free = manager.block_pool.get_num_free_blocks()
     num_groups = len(manager.kv_cache_config.kv_cache_groups)
     assert (num_free - keep) % num_groups == 0
-    filler = make_request(f"filler{seed}", tokens(seed, (num_free - keep) // num_groups * BLOCK_SIZE))
+    filler_blocks = (num_free - keep) // num_groups
+    filler = make_request(f"filler{seed}", tokens(seed, filler_blocks * BLOCK_SIZE))
     allocated = manager.allocate_slots(filler, filler.num_tokens)
     assert allocated is not None
     manager.free(filler)
@@ -170,7 +174,8 @@ def stage_cached_prompt(manager: KVCacheManager, prompt: list[int]) -> None:
     owner = make_request("prompt-owner", prompt)
     compute(manager, owner, len(prompt))
     manager.free(owner)
-    num_cached = len(prompt) // BLOCK_SIZE * len(manager.kv_cache_config.kv_cache_groups)
+    num_groups = len(manager.kv_cache_config.kv_cache_groups)
+    num_cached = len(prompt) // BLOCK_SIZE * num_groups
     free_all_but(manager, keep=num_cached, seed=1)
 
 
@@ -178,7 +183,8 @@ def stage_cached_prompt(manager: KVCacheManager, prompt: list[int]) -> None:
 def test_local_hits_and_external_tokens_do_not_share_blocks(num_groups: int):
     """Full attention + sliding window (2 and 3 groups): local hits of 4 blocks
     in every group plus 2 blocks of external tokens."""
-    manager = make_manager(make_hybrid_config(num_groups, num_blocks=1 + 12 * num_groups))
+    config = make_hybrid_config(num_groups, num_blocks=1 + 12 * num_groups)
+    manager = make_manager(config)
     prefix = tokens(0, 4 * BLOCK_SIZE)
     stage_cached_prompt(manager, prefix)
 
@@ -193,7 +199,8 @@ def test_preempt_and_reallocate_with_external_tokens(num_groups: int):
     """A request prefilled in part, preempted, then scheduled again with its own
     cached blocks as local hits and external tokens behind them: the coordinator
     must run both phases again for the re-admitted request."""
-    manager = make_manager(make_hybrid_config(num_groups, num_blocks=1 + 12 * num_groups))
+    config = make_hybrid_config(num_groups, num_blocks=1 + 12 * num_groups)
+    manager = make_manager(config)
     prefix = tokens(0, 4 * BLOCK_SIZE)
     stage_cached_prompt(manager, prefix)
 
@@ -276,6 +283,7 @@ class HybridAllocationMachine(RuleBasedStateMachine):
         self._schedule(request, external_blocks)
 
     def _schedule(self, request: Request, external_blocks: int) -> None:
+        assert self.manager is not None
         hit_blocks, num_local = self.manager.get_computed_blocks(request)[:2]
         num_external = min(
             external_blocks * BLOCK_SIZE, request.num_tokens - num_local - 1
@@ -297,6 +305,7 @@ class HybridAllocationMachine(RuleBasedStateMachine):
         """Other running requests take the never-cached blocks at the head of the
         free queue, leaving evictable cached blocks at its head, as on a busy
         server."""
+        assert self.manager is not None
         queue = self.manager.block_pool.free_block_queue
         num_fresh = 0
         block = queue.fake_free_list_head.next_free_block
@@ -308,19 +317,22 @@ class HybridAllocationMachine(RuleBasedStateMachine):
         if num_tokens == 0:
             return
         self.next_id += 1
-        request = make_request(f"busy{self.next_id}", tokens(1000 + self.next_id, num_tokens))
+        prompt = tokens(1000 + self.next_id, num_tokens)
+        request = make_request(f"busy{self.next_id}", prompt)
         if self.manager.allocate_slots(request, num_tokens) is not None:
             self.requests[request.request_id] = request
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def finish(self, data):
+        assert self.manager is not None
         request_id = data.draw(st.sampled_from(sorted(self.requests)))
         self.manager.free(self.requests.pop(request_id))
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), external_blocks=st.integers(0, 3))
     def preempt_and_reallocate(self, data, external_blocks):
+        assert self.manager is not None
         request_id = data.draw(st.sampled_from(sorted(self.requests)))
         request = self.requests.pop(request_id)
         self.manager.free(request)

@@ -48,7 +48,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
-from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+from vllm.v1.simple_kv_offload.metadata import (
+    SimpleCPUOffloadMetadata,
+    SimpleCPUOffloadWorkerMetadata,
+)
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
@@ -72,6 +75,7 @@ def _vllm_config(
 ) -> VllmConfig:
     """A SimpleCPUOffloadConnector config with NUM_CPU_BLOCKS CPU blocks per rank."""
     config = _make_vllm_config()
+    assert config.kv_transfer_config is not None
     config.kv_transfer_config.kv_connector_extra_config = {
         "cpu_bytes_to_use": _BYTES_PER_BLOCK * NUM_CPU_BLOCKS * world_size,
         **(extra or {}),
@@ -240,6 +244,7 @@ def test_async_register_returns_while_pinning(monkeypatch):
             f"register_kv_caches() waited {elapsed:.2f} s for the pin"
         )
         registration = worker._cache_registration
+        assert registration is not None
         assert not registration.ready.is_set()
         backend.init.assert_not_called()
         # Not ready: nothing to report.
@@ -253,7 +258,7 @@ def test_async_register_returns_while_pinning(monkeypatch):
 
     assert registration.join(timeout=10)
     assert registration.ready.is_set()
-    assert registration._thread.daemon
+    assert registration._thread is not None and registration._thread.daemon
     assert pin_threads and threading.current_thread() not in pin_threads
     backend.init.assert_called_once()
     # Stock allocates with torch.zeros; the background thread zeroes too.
@@ -279,7 +284,8 @@ def test_sync_register_pins_on_calling_thread(monkeypatch, extra):
 def test_async_register_reports_rank_once(monkeypatch):
     worker, kv_caches, _ = _make_worker(monkeypatch, ASYNC, lambda t: None, rank=3)
     worker.register_kv_caches(kv_caches)
-    assert worker._cache_registration.join(timeout=10)
+    registration = worker._cache_registration
+    assert registration is not None and registration.join(timeout=10)
 
     # The report rides along with whatever the step reports anyway.
     worker._completed_store_events = {7: 1}
@@ -305,7 +311,7 @@ def test_async_register_failure_keeps_offload_off(monkeypatch):
     monkeypatch.setattr(worker_module, "logger", logger)
     worker.register_kv_caches(kv_caches)
     registration = worker._cache_registration
-    assert registration.join(timeout=10)
+    assert registration is not None and registration.join(timeout=10)
 
     logger.exception.assert_called_once()
     assert not registration.ready.is_set()
@@ -322,6 +328,7 @@ def test_worker_meta_aggregate_merges_ready_ranks():
     )
     c = SimpleCPUOffloadWorkerMetadata(completed_store_events={2: 1})
     merged = a.aggregate(b).aggregate(c)
+    assert isinstance(merged, SimpleCPUOffloadWorkerMetadata)
     assert merged.ready_ranks == {0, 1}
     assert merged.completed_store_events == {1: 2, 2: 2}
 
@@ -366,11 +373,11 @@ def test_gate_opens_after_every_rank_reported(world_size):
     # Every rank but one reports, each of them twice, in separate steps.
     for rank in ranks[:-1] + ranks[:-1]:
         _report_ready(connector, rank)
-        assert not connector.scheduler_manager.is_ready()
+        assert not fix.scheduler.is_ready()
         _assert_gpu_only(connector, hit)
 
     _report_ready(connector, ranks[-1])
-    assert connector.scheduler_manager.is_ready()
+    assert fix.scheduler.is_ready()
     _assert_cpu_hit(connector, hit)
 
 
@@ -387,7 +394,7 @@ def test_gate_opens_on_one_aggregated_report():
             )
         )
     connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
-    assert connector.scheduler_manager.is_ready()
+    assert fix.scheduler.is_ready()
     _assert_cpu_hit(connector, hit)
 
 
@@ -399,7 +406,7 @@ def test_gate_stays_closed_if_a_rank_fails():
     for _ in range(3):
         for rank in (0, 1, 3):
             _report_ready(connector, rank)
-    assert not connector.scheduler_manager.is_ready()
+    assert not fix.scheduler.is_ready()
     _assert_gpu_only(connector, hit)
 
     req = make_request(num_blocks=2)
@@ -441,6 +448,7 @@ def test_request_admitted_while_pinning_stays_gpu_only():
             {req.request_id: 1}, cached_req_new_blocks={req.request_id: None}
         )
     )
+    assert isinstance(meta, SimpleCPUOffloadMetadata)
     assert meta.store_event < 0 and not meta.store_gpu_blocks
     assert connector.request_finished(req, []) == (False, None)
     assert sched.cpu_block_pool.get_num_free_blocks() == free_before

@@ -202,9 +202,9 @@ def test_pulled_parents_are_forgotten_oldest_first(make_producer):
     producer = make_producer(best_of_parents_limit=2)
     parents = ["cmpl-0000000a", "cmpl-0000000b", "cmpl-0000000c"]
     for parent in parents:
-        first, second, late = siblings(3, parent)
+        first, second, third = siblings(3, parent)
         producer.register(first, second)
-        producer.step(in_batch=[late])
+        producer.step(in_batch=[third])
         producer.notify(first, times=3)
         assert producer.finished_sending() == {first, second}
     late = [siblings(3, parent)[2] for parent in parents]

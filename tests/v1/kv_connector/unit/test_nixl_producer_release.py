@@ -116,7 +116,7 @@ class FakeClock:
 class _Topology:
     """The producer's TP topology; only ``tp_ratio`` is on the release path."""
 
-    def __init__(self, topology_cls: type, tp_size: int) -> None:
+    def __init__(self, topology_cls: type[Any], tp_size: int) -> None:
         self.tp_size = tp_size
         self._topology_cls = topology_cls
 

@@ -1,0 +1,299 @@
+"""`vllm-patches export`: one fix as an upstream pull request, on real release trees.
+
+A contributor's checkout is a clone of a release (v0.33.0, the newest lane), or a main
+clone: the same tree without ``vllm/_version.py`` and without a release tag (upstream
+main cannot be fetched here; that tree stands in for it).
+"""
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import git, snapshot
+
+from vllm_patches import _export, _releases, _series
+from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED, main
+
+SERIES = _series.load()
+NEWEST = max(SERIES.releases)
+NAME, EMAIL = "Ada Contributor", "ada@example.org"
+SIGN_OFF = f"Signed-off-by: {NAME} <{EMAIL}>"
+# A fix that needs another one, and the newest lane where that shows.
+DEPENDENT = next(fix for fix in SERIES.fixes if fix.requires and fix.verdict(NEWEST) is None)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def contributor(tmp_path, monkeypatch) -> Path:
+    """A contributor whose git identity is in a global config of their own."""
+    home = tmp_path / "home"
+    home.mkdir()
+    config = home / ".gitconfig"
+    config.write_text(f"[user]\n\tname = {NAME}\n\temail = {EMAIL}\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    for variable in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME",
+                     "GIT_COMMITTER_EMAIL", "EMAIL"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.chdir(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def pristine_newest() -> Path:
+    return _releases.fetch(NEWEST)
+
+
+def clone(source: Path, target: Path, main_like: bool) -> Path:
+    subprocess.run(["git", "clone", "--quiet", str(source), str(target)], check=True)
+    if main_like:
+        git(target, "rm", "--quiet", "vllm/_version.py")
+        git(target, "-c", "user.name=upstream", "-c", "user.email=upstream@example.invalid",
+            "commit", "--quiet", "-m", "main")
+        git(target, "tag", "-d", f"v{NEWEST}")
+    return target
+
+
+@pytest.fixture(params=[False, True], ids=["release-clone", "main-clone"])
+def any_clone(request, tmp_path, pristine_newest) -> Path:
+    """A contributor's clone: of the release, or of main (checked with both)."""
+    return clone(pristine_newest, tmp_path / "vllm", main_like=request.param)
+
+
+@pytest.fixture
+def vllm_clone(tmp_path, pristine_newest) -> Path:
+    return clone(pristine_newest, tmp_path / "vllm", main_like=False)
+
+
+def git_state(repo: Path) -> tuple[tuple[str, str, str], str]:
+    """``snapshot`` (HEAD, status, local changes), the index's entries and a hash of every
+    file under .git but the index file itself (``git status`` may refresh its stat data)."""
+    digest = hashlib.sha256(git(repo, "ls-files", "--stage").encode())
+    for path in sorted(p for p in (repo / ".git").rglob("*") if p.is_file()):
+        if path.name != "index":
+            digest.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes())
+    return snapshot(repo), digest.hexdigest()
+
+
+def subjects(repo: Path, since: str) -> list[str]:
+    return git(repo, "log", "--reverse", "--format=%s", f"{since}..HEAD").splitlines()
+
+
+@pytest.mark.parametrize("release", SERIES.releases, ids=str)
+def test_every_fix_exports_alone_with_what_it_requires(release, contributor):
+    """Each fix's series applies on the pristine release by itself: its requirements
+    (``requires``) are all it needs. Every patch holds the fix's tests."""
+    tree = _releases.fetch(release)
+    before = git_state(tree)
+    identity = _export.Identity.of(contributor)
+    for fix in SERIES.applicable(release):
+        export = _export.build(SERIES, fix, release, tree, identity)
+        assert export.applies, [step.line() for step in export.steps]
+        assert [f.id for f in export.fixes] == [f.id for f in SERIES.with_requirements(fix)
+                                                if f.verdict(release) is None]
+        for (name, text), each in zip(export.patches, export.fixes, strict=True):
+            total = len(export.fixes)
+            number = "" if total == 1 else f" {export.fixes.index(each) + 1}/{total}"
+            assert f"Subject: [PATCH{number}] {each.title[:40]}" in text.replace("\n ", " ")
+            assert f"From: {NAME} <{EMAIL}>" in text and SIGN_OFF in text
+            for test in each.tests:
+                assert f"create mode 100644 {test}" in text
+            assert "Vllm-Patches-Fix" not in text and "Origin:" not in text
+    assert git_state(tree) == before, "export wrote into the release's cached checkout"
+
+
+def test_exported_series_git_am_cleanly_with_tags_sign_off_and_tests(contributor, any_clone,
+                                                                     capsys):
+    base = git(any_clone, "rev-parse", "HEAD").strip()
+    for fix in SERIES.applicable(NEWEST):
+        output = contributor / f"out-{fix.id}"
+        code, out, _ = run(capsys, "export", fix.id, "--release", f"v{NEWEST}", "-o", str(output))
+        assert code == EXIT_OK
+        am_line = next(line for line in out.splitlines() if "git am --keep-non-patch" in line)
+        patches = am_line.split("git am --keep-non-patch ")[1].split()
+        fixes = SERIES.with_requirements(fix)
+        assert len(patches) == len(fixes)
+        cover = (output / _export.COVER_FILE).read_text()
+        assert cover.startswith(fix.title + "\n") and "## Validation" in cover
+        assert fix.pr in cover or fix.bug in cover
+        assert f"v{NEWEST} (upstream commit " in cover
+
+        git(any_clone, "am", "--quiet", "--keep-non-patch", *patches)
+        assert subjects(any_clone, base) == [f.title for f in fixes]
+        authors = git(any_clone, "log", "--format=%an <%ae>", f"{base}..HEAD").splitlines()
+        assert authors == [f"{NAME} <{EMAIL}>"] * len(fixes)
+        assert SIGN_OFF in git(any_clone, "log", "-1", "--format=%b")
+        for test in (t for f in fixes for t in f.tests):
+            assert (any_clone / test).read_text() == (_series.REPO_DIR / test).read_text()
+        git(any_clone, "reset", "--quiet", "--hard", base)
+
+
+def test_stdout_is_an_mbox_for_git_am(contributor, vllm_clone, capsys):
+    code, out, err = run(capsys, "export", DEPENDENT.id, "--release", f"v{NEWEST}")
+    assert code == EXIT_OK
+    assert f"{DEPENDENT.id} requires" in err and "git am --keep-non-patch" in err
+    total = len(SERIES.with_requirements(DEPENDENT))
+    assert out.count("\nSubject: [PATCH ") == total and f"[PATCH {total}/{total}]" in out
+    base = git(vllm_clone, "rev-parse", "HEAD").strip()
+    subprocess.run(["git", "-C", str(vllm_clone), "am", "--quiet", "--keep-non-patch"],
+                   input=out, text=True, check=True)
+    assert subjects(vllm_clone, base)[-1] == DEPENDENT.title
+
+
+def test_a_single_patch_is_not_numbered(contributor, capsys):
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    code, out, _ = run(capsys, "export", fix.id, "--release", f"v{NEWEST}")
+    assert code == EXIT_OK
+    assert f"Subject: [PATCH] {fix.title[:30]}" in out.replace("\n ", " ")
+
+
+def test_onto_applies_signed_off_commits_on_the_branch(contributor, any_clone, capsys):
+    vllm_clone = any_clone
+    base = git(vllm_clone, "rev-parse", "HEAD").strip()
+    before = git_state(vllm_clone)
+    code, out, _ = run(capsys, "export", DEPENDENT.id, "--onto", str(vllm_clone), "--check")
+    assert code == EXIT_OK and "check passed" in out
+    assert git_state(vllm_clone) == before
+    fixes = SERIES.with_requirements(DEPENDENT)
+    for number, fix in enumerate(fixes, start=1):
+        assert f"{number}/{len(fixes)} {fix.id} {fix.slug}: applies" in out
+
+    code, out, _ = run(capsys, "export", DEPENDENT.id, "--onto", str(vllm_clone))
+    assert code == EXIT_OK, out
+    assert subjects(vllm_clone, base) == [f.title for f in fixes]
+    assert SIGN_OFF in git(vllm_clone, "log", "-1", "--format=%b")
+    assert git(vllm_clone, "status", "--porcelain") == ""
+    assert "## Overview" in out  # the PR description, ready to paste
+    if not (vllm_clone / "vllm" / "_version.py").exists():
+        assert "no release detected" in out and f"v{NEWEST}" in out
+
+
+def release_patch(fix) -> Path:
+    return next(p for p in _export._patches.series_patches(NEWEST) if fix.name in p.name)
+
+
+def test_onto_a_conflict_is_reported_per_patch_and_changes_nothing(contributor, vllm_clone,
+                                                                   capsys):
+    """A local commit changed a line the first patch changes: no merge can help."""
+    first = SERIES.fix(DEPENDENT.requires[0])
+    # The first line the patch removes, and the file it is in.
+    target = removed = ""
+    for line in release_patch(first).read_text().splitlines():
+        if line.startswith("+++ b/"):
+            target = line[6:]
+        elif target and line.startswith("-") and not line.startswith("---") and line[1:].strip():
+            removed = line[1:]
+            break
+    source = vllm_clone / target
+    source.write_text(source.read_text().replace(removed, removed + "  # edited", 1))
+    git(vllm_clone, "commit", "--quiet", "-am", "a local change where the series writes")
+    before = git_state(vllm_clone)
+    for extra in ([], ["--3way"], ["--check"]):
+        code, out, err = run(capsys, "export", DEPENDENT.id, "--onto", str(vllm_clone), *extra)
+        assert code == EXIT_REFUSED, extra
+        assert f"1/2 {first.id} {first.slug}: conflict" in out
+        assert f"2/2 {DEPENDENT.id} {DEPENDENT.slug}: not tried (needs {first.id})" in out
+        assert len(err.strip().splitlines()) == 1 and "does not apply" in err
+        assert git_state(vllm_clone) == before
+
+
+def test_onto_a_checkout_that_has_the_fix_already_is_refused(contributor, vllm_clone, capsys):
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    git(vllm_clone, "am", "--quiet", "--keep-non-patch", str(release_patch(fix)))
+    before = git_state(vllm_clone)
+    for extra in ([], ["--3way"]):
+        code, out, _ = run(capsys, "export", fix.id, "--onto", str(vllm_clone), *extra)
+        assert code == EXIT_REFUSED and f"1/1 {fix.id} {fix.slug}: conflict" in out
+        assert git_state(vllm_clone) == before
+    assert "the base has it already" in out
+
+
+def test_onto_three_way_merges_an_edited_context_line(contributor, vllm_clone, capsys):
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    lines = release_patch(fix).read_text().splitlines()
+    target = next(line[6:] for line in lines if line.startswith("+++ b/"))
+    # The first line of the first hunk: context, three lines away from the change.
+    context = lines[lines.index(next(line for line in lines if line.startswith("@@"))) + 1]
+    assert context.startswith(" ") and context.strip()
+    source = vllm_clone / target
+    text = source.read_text()
+    assert text.count(context[1:] + "\n") == 1
+    source.write_text(text.replace(context[1:] + "\n", context[1:] + "  # local\n"))
+    git(vllm_clone, "commit", "--quiet", "-am", "edit a context line")
+    before = git_state(vllm_clone)
+    code, out, _ = run(capsys, "export", fix.id, "--onto", str(vllm_clone))
+    assert code == EXIT_REFUSED and git_state(vllm_clone) == before
+    code, out, _ = run(capsys, "export", fix.id, "--onto", str(vllm_clone), "--3way")
+    assert code == EXIT_OK, out
+    assert subjects(vllm_clone, "HEAD~1") == [fix.title]
+    assert context[1:] + "  # local" in source.read_text()
+
+
+@pytest.mark.parametrize("state", ["am-in-progress", "staged", "dirty", "untracked-test"])
+def test_onto_refuses_a_busy_or_dirty_checkout_and_leaves_it_as_it_was(
+        state, contributor, vllm_clone, capsys):
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    if state == "am-in-progress":
+        (vllm_clone / "README.md").write_text("local\n")
+        git(vllm_clone, "commit", "--quiet", "-am", "readme")
+        mail = git(vllm_clone, "format-patch", "--stdout", "-1")
+        git(vllm_clone, "reset", "--quiet", "--hard", "HEAD~1")
+        (vllm_clone / "README.md").write_text("conflicting\n")
+        git(vllm_clone, "commit", "--quiet", "-am", "conflicting readme")
+        subprocess.run(["git", "-C", str(vllm_clone), "am"], input=mail, text=True,
+                       capture_output=True, check=False)  # stops at the conflict
+        assert (vllm_clone / ".git" / "rebase-apply").is_dir()
+        message = "in progress"
+    elif state == "staged":
+        (vllm_clone / "README.md").write_text("local\n")
+        git(vllm_clone, "add", "README.md")
+        message = "staged changes"
+    else:
+        path = (vllm_clone / fix.tests[0] if state == "untracked-test"
+                else vllm_clone / _series.Fix.upstream_path(fix.overlays[0]))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("local\n")
+        message = "local changes or untracked files"
+    before = git_state(vllm_clone)
+    code, _, err = run(capsys, "export", fix.id, "--onto", str(vllm_clone))
+    assert code == EXIT_REFUSED and message in err and len(err.strip().splitlines()) == 1
+    assert git_state(vllm_clone) == before
+
+
+def test_no_git_identity_is_refused_in_one_line(tmp_path, monkeypatch, vllm_clone, capsys):
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    for variable in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME",
+                     "GIT_COMMITTER_EMAIL", "EMAIL"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.chdir(tmp_path)
+    before = git_state(vllm_clone)
+    for argv in (["export", "F4", "--release", f"v{NEWEST}"],
+                 ["export", "F4", "--onto", str(vllm_clone)]):
+        code, out, err = run(capsys, *argv)
+        assert code == EXIT_REFUSED and out == ""
+        assert "no git identity" in err and len(err.strip().splitlines()) == 1
+    assert git_state(vllm_clone) == before
+
+
+def test_bad_input(contributor, capsys, tmp_path):
+    code, _, err = run(capsys, "export", "F1", "--release", f"v{NEWEST}")
+    assert code == EXIT_BAD_INPUT and "upstream since v0.24.0" in err
+    code, _, err = run(capsys, "export", "F9")
+    assert code == EXIT_BAD_INPUT and "unknown fix" in err
+    code, _, err = run(capsys, "export", "F4", "--3way")
+    assert code == EXIT_BAD_INPUT and "--onto" in err
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "old.patch").write_text("")
+    code, _, err = run(capsys, "export", "F4", "-o", str(occupied))
+    assert code == EXIT_BAD_INPUT and "not an empty directory" in err

@@ -1,0 +1,361 @@
+"""`vllm-patches export`: one fix as the pull request a contributor sends upstream.
+
+The series holds the fix and every fix it requires (``requires`` in its metadata: F3
+is built on F2), in series order, one commit per fix: the fix's committed patch for the
+release plus the fix's tests at upstream's paths. Author, committer and Signed-off-by
+are the contributor's git identity (``git format-patch -s``; vLLM's DCO wants the
+contributor's own), and there is no guessed one: without an identity, export refuses.
+``git am`` drops every ``[...]`` that opens a subject, so the fix's ``[Tag]`` prefixes
+survive only ``git am --keep-non-patch``: every line printed says so.
+
+The commits are built on a base (the release's cached checkout, or the contributor's
+HEAD with ``--onto``) in a scratch index and object store (``_git.scratch_env``): making
+and checking a series writes nothing into either repository. ``--onto`` then puts the
+series on the contributor's branch with ``git am``, all or nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from vllm_patches import _git, _patches, _releases, _series
+from vllm_patches._checkout import Checkout
+from vllm_patches._errors import Refused, UserError
+from vllm_patches._git import GitError
+from vllm_patches._series import Fix, Series
+
+# Plain `git am` strips the subject's [Bugfix][NIXL] tags along with [PATCH k/n].
+GIT_AM = "git am --keep-non-patch"
+COVER_FILE = "pr-description.md"
+# State files of a git operation in progress: git am, rebase, merge, cherry-pick, revert.
+IN_PROGRESS = ("rebase-apply", "rebase-merge", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who the commits are by, as git itself resolves it (config or GIT_* environment)."""
+
+    author: tuple[str, str]
+    committer: tuple[str, str]
+
+    @classmethod
+    def of(cls, where: Path) -> Identity:
+        """The identity git commits with in ``where``; refused when git would guess one."""
+        return cls(_ident(where, "AUTHOR"), _ident(where, "COMMITTER"))
+
+    def env(self) -> dict[str, str]:
+        (author_name, author_email), (committer_name, committer_email) = self.author, self.committer
+        return {"GIT_AUTHOR_NAME": author_name, "GIT_AUTHOR_EMAIL": author_email,
+                "GIT_COMMITTER_NAME": committer_name, "GIT_COMMITTER_EMAIL": committer_email}
+
+
+def _ident(where: Path, role: str) -> tuple[str, str]:
+    # useConfigOnly: no name@hostname guess; a sign-off must be the contributor's own.
+    proc = _git.run(where, "-c", "user.useConfigOnly=true", "var", f"GIT_{role}_IDENT",
+                    check=False)
+    if proc.returncode != 0:
+        raise Refused("no git identity to sign the patches off with; set yours: git config "
+                      "--global user.name 'Your Name' && git config --global user.email "
+                      "you@example.com (vLLM's DCO needs your own Signed-off-by)")
+    name, _, rest = proc.stdout.strip().partition(" <")  # "Name <email> 1700000000 +0000"
+    return name, rest.partition(">")[0]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One patch of the series: it applies on the base, conflicts (git's reason), or was
+    not tried because an earlier patch it is built on conflicts."""
+
+    number: int
+    total: int
+    fix: Fix
+    error: str | None = None
+    blocked_by: str | None = None
+
+    def line(self) -> str:
+        state = ("applies" if self.error is None and self.blocked_by is None
+                 else f"conflict ({self.error})" if self.error is not None
+                 else f"not tried (needs {self.blocked_by})")
+        return f"{self.number}/{self.total} {self.fix.id} {self.fix.slug}: {state}"
+
+
+@dataclass(frozen=True)
+class Export:
+    """A fix's series for one release on one base: its steps and, when all apply, its patches."""
+
+    fix: Fix
+    fixes: tuple[Fix, ...]  # the series: what ``fix`` requires, then ``fix``, in series order
+    named: tuple[str, ...]  # requirements not in the series, and why (upstream, not needed)
+    release: Version
+    base_text: str  # the commit the series is built on, as the cover names it
+    steps: tuple[Step, ...]
+    patches: tuple[tuple[str, str], ...]  # (file name, text) as git format-patch writes them
+
+    @property
+    def applies(self) -> bool:
+        return all(step.error is None and step.blocked_by is None for step in self.steps)
+
+    def touched(self) -> list[str]:
+        """Every path the series may change: the fixes' upstream files and their tests."""
+        return sorted({Fix.upstream_path(o) for f in self.fixes for o in f.overlays}
+                      | {test for f in self.fixes for test in f.tests})
+
+    def summary(self) -> str:
+        count = len(self.fixes)
+        text = (f"{self.fix.id} for vLLM v{self.release}, on {self.base_text}: "
+                f"{count} patch{'es' if count > 1 else ''}")
+        required = [f.id for f in self.fixes if f is not self.fix]
+        if required:
+            text += f" ({self.fix.id} requires {', '.join(required)}: included, applied first)"
+        return text + "".join(f"; {note}" for note in self.named)
+
+
+def fix_test_file(test: str) -> Path:
+    """A fix test's source: in this repository, or bundled in the package (wheel install)."""
+    for root in (_series.PACKAGE_DIR / "fix_tests", _series.REPO_DIR):
+        if (root / test).is_file():
+            return root / test
+    raise UserError(f"fix test {test} not found (install vllm-patches from its repository)")
+
+
+def commit_message(fix: Fix) -> str:
+    """The fix as an upstream commit: its PR-style title, Why and How. Upstream needs none
+    of the vendor trailers of patches/ (Origin, Forwarded, ...); the Signed-off-by line is
+    git format-patch's own (-s)."""
+    return "\n\n".join([fix.title, f"Why:\n{fix.why}", f"How:\n{fix.how}"]) + "\n"
+
+
+def _release_patch(release: Version, fix: Fix) -> Path:
+    for path in _patches.series_patches(release):
+        if path.name.endswith(f"-{fix.name}.patch"):
+            return path
+    raise UserError(f"patches/v{release} has no patch for {fix.id}; run `vllm-patches regen`")
+
+
+def _git_reason(stderr: str) -> str:
+    """git apply's reason on one line: its errors, or the files a 3-way merge left
+    conflicted (those it reports as ``U path``)."""
+    lines = stderr.strip().splitlines()
+    reasons = [line.removeprefix("error: ") for line in lines if line.startswith("error:")]
+    conflicted = [line[2:] for line in lines if line.startswith("U ")]
+    if conflicted:
+        reasons.append("3-way merge conflicts in " + ", ".join(conflicted))
+    return "; ".join(reasons or lines)
+
+
+def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Identity,
+          three_way: bool = False, onto: bool = False) -> Export:
+    """``fix``'s series for ``release``, built on ``repo``'s HEAD in a scratch store.
+
+    ``onto``: ``repo`` is the contributor's checkout; its HEAD is a commit upstream
+    knows, so the patches name it (``base-commit:``). A release's cached checkout is a
+    commit of its source archive, unknown upstream: the cover names the upstream
+    commit the release was built from instead.
+    """
+    wanted = series.with_requirements(fix)
+    fixes = tuple(f for f in wanted if f.verdict(release) is None)
+    if fix not in fixes:
+        raise UserError(f"{fix.id} has no patch for v{release}: {fix.verdict(release)}")
+    named = tuple(f"{f.id} {f.verdict(release)}" for f in wanted if f not in fixes)
+    base = _git.head(repo)
+    if onto:
+        base_text = f"commit {base[:12]}"
+    else:
+        upstream = _releases.upstream_commit(repo)
+        base_text = f"vLLM v{release}" + (f" (upstream commit {upstream})" if upstream else "")
+    steps: list[Step] = []
+    patches: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**_git.scratch_env(repo, Path(scratch)), **identity.env()}
+        _git.run(repo, "read-tree", base, env=env)
+        tip = base
+        blocked_by = None
+        for number, each in enumerate(fixes, start=1):
+            if blocked_by is not None:
+                steps.append(Step(number, len(fixes), each, blocked_by=blocked_by))
+                continue
+            error = _add_fix(repo, env, base, each, _release_patch(release, each), three_way)
+            steps.append(Step(number, len(fixes), each, error))
+            if error is not None:
+                blocked_by = each.id
+                continue
+            tree = _git.run(repo, "write-tree", env=env).stdout.strip()
+            tip = _git.run(repo, "commit-tree", tree, "-p", tip, "-F", "-", env=env,
+                           input=commit_message(each)).stdout.strip()
+        if blocked_by is None:
+            out = Path(scratch) / "out"
+            _git.run(repo, "format-patch", "--quiet", "-s", "--zero-commit", "--no-signature",
+                     "--numbered" if len(fixes) > 1 else "--no-numbered",
+                     *([f"--base={base}"] if onto else []), "-o", str(out), f"{base}..{tip}",
+                     env=env)
+            patches = [(path.name, path.read_text()) for path in sorted(out.iterdir())]
+    return Export(fix, fixes, named, release, base_text, tuple(steps), tuple(patches))
+
+
+def _add_fix(repo: Path, env: dict[str, str], base: str, fix: Fix, patch: Path,
+             three_way: bool) -> str | None:
+    """Stage ``fix``'s patch and its tests in the scratch index; None, or why it cannot."""
+    before = _git.run(repo, "write-tree", env=env).stdout.strip()
+    proc = _git.run(repo, "apply", "--cached", *(["--3way"] if three_way else []), str(patch),
+                    env=env, check=False)
+    if proc.returncode != 0:
+        return _git_reason(proc.stderr)
+    if _git.run(repo, "write-tree", env=env).stdout.strip() == before:
+        # A 3-way merge of a change the base already has succeeds and changes nothing.
+        return "changes nothing: the base has it already"
+    for test in fix.tests:
+        if _git.run(repo, "cat-file", "-e", f"{base}:{test}", env=env, check=False).returncode == 0:
+            return f"{test} exists on the base already"
+        blob = _git.run(repo, "hash-object", "-w", "--stdin", env=env,
+                        input=fix_test_file(test).read_text()).stdout.strip()
+        _git.run(repo, "update-index", "--add", "--cacheinfo", f"100644,{blob},{test}", env=env)
+    return None
+
+
+def _unwrap(text: str) -> str:
+    """Paragraphs on one line each: GitHub shows every newline of a PR description."""
+    return "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
+
+
+def cover_text(export: Export) -> str:
+    """The PR description, in the sections of upstream's pull request template."""
+    fix, fixes = export.fix, export.fixes
+    links = [f"Bug: {fix.bug}"] if fix.bug != fix.pr else []
+    links += [f"Upstream PR: {fix.pr}"] if fix.pr else []
+    overview = [fix.title, "", "## Overview", ""]
+    overview += [line for each in fixes for line in (_unwrap(each.why), "")]
+    overview.append(" · ".join(links))
+    if len(fixes) > 1:
+        required = ", ".join(f'{f.id} "{f.title}"' for f in fixes if f is not fix)
+        overview += ["", (f"{len(fixes)} commits: {fix.id} is built on {required}, applied "
+                          "first (drop those commits if they land upstream before this PR).")]
+    tests = [test for f in fixes for test in f.tests]
+    validation = [
+        "## Validation", "",
+        (f"New tests at upstream's paths. They fail on vLLM v{export.release} without this "
+         "change (the bug reproduces) and pass with it, on CPU:"), "",
+        "```bash", "pytest -q " + " \\\n    ".join(tests), "```",
+    ]
+    details = ["## Details", ""]
+    for each in fixes:
+        if len(fixes) > 1:
+            details += [f"### {each.title}", ""]
+        details += [_unwrap(each.how), ""]
+    details.append(f"Base: {export.base_text}.")
+    claims = ["## Claims", ""] + [f"- {f.title}" for f in fixes]
+    return "\n".join([*overview, "", *claims, "", *validation, "", *details]) + "\n"
+
+
+def _refuse_unready(checkout: Path, touched: list[str]) -> None:
+    """Refuse what git am would trip over or take with it; the checkout stays as it is."""
+    for name in IN_PROGRESS:
+        state = _git.run(checkout, "rev-parse", "--git-path", name).stdout.strip()
+        if (checkout / state).exists():
+            raise Refused(f"{checkout}: a git operation is in progress ({state}); finish or "
+                          "abort it first")
+    if _git.run(checkout, "diff", "--cached", "--quiet", check=False).returncode != 0:
+        raise Refused(f"{checkout}: the index has staged changes; git am needs it clean")
+    dirty = _git.run(checkout, "status", "--porcelain", "-uall", "--", *touched).stdout
+    if dirty.strip():
+        files = ", ".join(line[3:] for line in dirty.splitlines())
+        raise Refused(f"{checkout}: local changes or untracked files where the series "
+                      f"writes: {files}")
+
+
+def _am(checkout: Path, directory: Path, export: Export) -> None:
+    """git am the series onto the checkout's branch; on failure, back to where it was."""
+    start = _git.head(checkout)
+    files = [str(directory / name) for name, _ in export.patches]
+    try:
+        _git.run(checkout, "am", "--quiet", "--keep-non-patch", *files)
+    except GitError:
+        _git.run(checkout, "am", "--abort", check=False)
+        if _git.head(checkout) != start:
+            _git.run(checkout, "reset", "--quiet", "--keep", start)
+        raise
+
+
+def _write(export: Export, directory: Path) -> list[Path]:
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise UserError(f"{directory}: exists and is not an empty directory; name a new one")
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in export.patches:
+        (directory / name).write_text(text)
+        written.append(directory / name)
+    (directory / COVER_FILE).write_text(cover_text(export))
+    return [*written, directory / COVER_FILE]
+
+
+def _newest_release_with(series: Series, fix: Fix) -> Version:
+    for release in sorted(series.releases, reverse=True):
+        if fix.verdict(release) is None:
+            return release
+    raise UserError(f"{fix.id} has no patch for any supported release")
+
+
+def command(series: Series, fix_id: str, release: Version | None, onto: str | None,
+            output: str | None, three_way: bool, check: bool) -> int:
+    """The `export` verb (see ``_cli``): prints what it did; raises on refusal."""
+    fix = series.fix(fix_id)
+    if onto is None:
+        if three_way or check:
+            raise UserError("--3way and --check go with --onto CHECKOUT")
+        identity = Identity.of(Path.cwd())  # before any download: refuse early
+        release = release or _newest_release_with(series, fix)
+        series.require_supported(release)
+        export = build(series, fix, release, _releases.fetch(release), identity)
+        return _report(export, output, to_stdout=output is None)
+
+    path, note = Path(onto), None
+    if release is None:
+        try:
+            release = _releases.detect_release(path)
+        except UserError:  # a main clone: no vllm/_version.py, no release tag at HEAD
+            release = _newest_release_with(series, fix)
+            note = (f"no release detected (a main clone?); using the v{release} patches "
+                    "(--release to choose)")
+    checkout = Checkout(path, release, series)  # refuses what is not a vLLM git checkout
+    identity = Identity.of(checkout.path)
+    if note:
+        print(f"{checkout.path}: {note}")
+    export = build(series, fix, release, checkout.path, identity, three_way=three_way, onto=True)
+    _refuse_unready(checkout.path, export.touched())
+    _report(export, output, to_stdout=False)
+    if check:
+        print(f"check passed: the series applies onto {checkout.path}")
+        return 0
+    with tempfile.TemporaryDirectory() as scratch:
+        _write(export, Path(scratch) / "series")
+        _am(checkout.path, Path(scratch) / "series", export)
+    branch = _git.run(checkout.path, "branch", "--show-current").stdout.strip() or "HEAD"
+    print(f"applied onto {checkout.path} ({branch}): {len(export.patches)} commit(s), "
+          "signed off; the PR description:\n")
+    print(cover_text(export), end="")
+    return 0
+
+
+def _report(export: Export, output: str | None, to_stdout: bool) -> int:
+    """Per-patch lines and what was written; the mbox itself on stdout when ``to_stdout``."""
+    lines = [export.summary(), *(f"  {step.line()}" for step in export.steps)]
+    if not export.applies:
+        print("\n".join(lines), file=sys.stderr if to_stdout else sys.stdout)
+        failed = next(step for step in export.steps if step.error is not None)
+        raise Refused(f"the series does not apply on {export.base_text}: {failed.line()}")
+    if output is not None:
+        written = _write(export, Path(output))
+        lines.append("wrote " + ", ".join(str(path) for path in written))
+        lines.append("apply it on your branch with: " + " ".join(
+            [GIT_AM, *(str(path) for path in written if path.suffix == ".patch")]))
+        lines.append(f"the PR description is {written[-1]}")
+    elif to_stdout:
+        lines.append(f"pipe it into: {GIT_AM} (-o DIR also writes the PR description)")
+    print("\n".join(lines), file=sys.stderr if to_stdout else sys.stdout)
+    if to_stdout:
+        sys.stdout.write("".join(text for _, text in export.patches))
+    return 0
