@@ -30,6 +30,28 @@ def run(repo: Path, *args: str, env: dict[str, str] | None = None, check: bool =
     return proc
 
 
+# For output that must not depend on who runs git: the user's and the system's
+# configuration (diff.noprefix, format.signature, diff.renames, ...) stay out.
+ISOLATED_ENV = {"GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def objects_dir(repo: Path) -> Path:
+    """The repository's object store (shared by all its worktrees)."""
+    return repo / run(repo, "rev-parse", "--git-path", "objects").stdout.strip()
+
+
+def scratch_env(repo: Path, scratch: Path, reads: tuple[Path, ...] = ()) -> dict[str, str]:
+    """Environment for git calls that must leave ``repo`` as it is: a throwaway index
+    (``scratch/index``) and a throwaway object store (``scratch/objects``) that reads
+    ``repo``'s objects, and those of the stores ``reads``, as alternates. Blobs, trees and
+    commits such calls write go to ``scratch``; the repository is only read."""
+    objects = scratch / "objects"
+    objects.mkdir(parents=True, exist_ok=True)
+    alternates = [objects_dir(repo), *(store / "objects" for store in reads)]
+    return {"GIT_INDEX_FILE": str(scratch / "index"), "GIT_OBJECT_DIRECTORY": str(objects),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": os.pathsep.join(map(str, alternates))}
+
+
 def is_repo(path: Path) -> bool:
     return run(path, "rev-parse", "--git-dir", check=False).returncode == 0 if path.is_dir() else False
 
@@ -53,8 +75,8 @@ def init_release_repo(tree: Path, tag: str, commit_env: dict[str, str]) -> None:
     ``add -f``: vLLM's ``.gitignore`` matches files the release ships (``*_hip*``);
     without it they would be left out and a later clean would delete them.
     """
-    run(tree, "init", "-q", "-b", "main")
-    run(tree, "add", "-A", "-f")
-    run(tree, "-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "-m",
-        f"vLLM {tag} (source archive)", env=commit_env)
-    run(tree, "tag", tag)
+    env = {**ISOLATED_ENV, **commit_env}  # the same commit id on every machine
+    run(tree, "init", "-q", "-b", "main", env=env)
+    run(tree, "add", "-A", "-f", env=env)
+    run(tree, "commit", "-q", "--no-verify", "-m", f"vLLM {tag} (source archive)", env=env)
+    run(tree, "tag", tag, env=env)

@@ -106,7 +106,8 @@ def _ruff(tree: Path, upstream_path: str, source: str, *args: str) -> subprocess
     if importlib.util.find_spec("ruff") is None:
         raise UserError("regen needs ruff for the spliced files: pip install 'vllm-patches[dev]'")
     return subprocess.run(
-        [sys.executable, "-m", "ruff", *args, "--stdin-filename", upstream_path, "-"],
+        # --no-cache: never write .ruff_cache into the tree (the tool's pristine cache).
+        [sys.executable, "-m", "ruff", *args, "--no-cache", "--stdin-filename", upstream_path, "-"],
         cwd=tree,
         input=source,
         capture_output=True,
@@ -141,34 +142,41 @@ def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]
     """The patches of ``release``, generated from the overlays against ``tree``.
 
     ``tree`` is a git checkout whose HEAD is the pristine release (what ``fetch`` makes).
+    The commits are built in a scratch index and a scratch object store (the checkout's
+    own objects are read through it as an alternate), so ``tree`` is never written: it
+    is the tool's cache, which only ``fetch`` changes. One ``format-patch`` of the whole
+    range numbers them ``[PATCH k/n]``.
     """
     base = _git.head(tree)
     upstream_commit = _releases.upstream_commit(tree)
-    patches: list[ReleasePatch] = []
+    applicable = series.applicable(release)
     with tempfile.TemporaryDirectory() as scratch:
-        env = {**PATCH_COMMIT_ENV, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        env = {**PATCH_COMMIT_ENV, **_git.ISOLATED_ENV, **_git.scratch_env(tree, Path(scratch))}
         _git.run(tree, "read-tree", base, env=env)
         parent = base
-        applicable = series.applicable(release)
         for number, fix in enumerate(applicable, start=1):
             sources = spliced_sources(tree, base, applicable[:number], release)
             for upstream_path, source in sources.items():
                 check_formatted(tree, upstream_path, source)
-                blob = _git.run(tree, "hash-object", "-w", "--stdin", input=source).stdout.strip()
+                blob = _git.run(tree, "hash-object", "-w", "--stdin", input=source,
+                                env=env).stdout.strip()
                 _git.run(tree, "update-index", "--cacheinfo", f"100644,{blob},{upstream_path}",
                          env=env)
             written = _git.run(tree, "write-tree", env=env).stdout.strip()
-            if written == _git.run(tree, "rev-parse", f"{parent}^{{tree}}").stdout.strip():
+            if written == _git.run(tree, "rev-parse", f"{parent}^{{tree}}", env=env).stdout.strip():
                 raise UserError(f"{fix.id} changes nothing on v{release}: no overlay variant holds it")
             message = commit_message(fix, release, upstream_commit)
             parent = _git.run(tree, "commit-tree", written, "-p", parent, "-F", "-",
                               env=env, input=message).stdout.strip()
-            text = _git.run(tree, "format-patch", "-1", parent, "--stdout", "--zero-commit",
-                            "--no-signature", "--full-index", f"--start-number={number}",
-                            "--numbered" if len(applicable) > 1 else "--no-numbered",
-                            env=env).stdout
-            patches.append(ReleasePatch(fix, number, text))
-    return patches
+        if not applicable:
+            return []
+        out = Path(scratch) / "out"
+        _git.run(tree, "format-patch", f"{base}..{parent}", "-o", str(out), "--zero-commit",
+                 "--no-signature", "--full-index",
+                 "--numbered" if len(applicable) > 1 else "--no-numbered", env=env)
+        texts = [path.read_text() for path in sorted(out.iterdir())]
+    return [ReleasePatch(fix, number, text)
+            for number, (fix, text) in enumerate(zip(applicable, texts, strict=True), start=1)]
 
 
 def series_file(series: Series, release: Version, patches: list[ReleasePatch]) -> str:
