@@ -33,6 +33,8 @@ def run(repo: Path, *args: str, env: dict[str, str] | None = None, check: bool =
 # For output that must not depend on who runs git: the user's and the system's
 # configuration (diff.noprefix, format.signature, diff.renames, ...) stay out.
 ISOLATED_ENV = {"GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+# Read-only calls (status) must not refresh and rewrite the user's index.
+READ_ONLY_ENV = {"GIT_OPTIONAL_LOCKS": "0"}
 
 
 def objects_dir(repo: Path) -> Path:

@@ -17,13 +17,12 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _git, _releases, _series
+from vllm_patches import _git, _patchset, _releases, _series
 from vllm_patches._errors import UserError
+from vllm_patches._patchset import PATCH_AUTHOR_EMAIL, PATCH_AUTHOR_NAME
 from vllm_patches._series import Fix, Series
 from vllm_patches._splice import Overlay, splice
 
-PATCH_AUTHOR_NAME = "vllm-patches maintainers"
-PATCH_AUTHOR_EMAIL = "vllm-patches@users.noreply.github.com"
 # A fixed date keeps regenerated patches byte-identical.
 PATCH_DATE = "2026-11-22T00:00:00Z"
 PATCH_COMMIT_ENV = {
@@ -34,9 +33,6 @@ PATCH_COMMIT_ENV = {
     "GIT_AUTHOR_DATE": PATCH_DATE,
     "GIT_COMMITTER_DATE": PATCH_DATE,
 }
-SERIES_FILE = "series"
-
-
 @dataclass(frozen=True)
 class ReleasePatch:
     """The generated patch of one fix for one release."""
@@ -47,17 +43,7 @@ class ReleasePatch:
 
     @property
     def filename(self) -> str:
-        return f"{self.number:04d}-{self.fix.name}.patch"
-
-
-def patches_dir() -> Path:
-    """Where the committed patches are: inside the package when installed from a wheel."""
-    bundled = _series.PACKAGE_DIR / "patches"
-    return bundled if bundled.is_dir() else _series.PATCHES_DIR
-
-
-def release_dir(release: Version) -> Path:
-    return patches_dir() / f"v{release}"
+        return _patchset.patch_filename(self.number, self.fix)
 
 
 def commit_message(fix: Fix, release: Version, upstream_commit: str | None) -> str:
@@ -195,19 +181,5 @@ def render(series: Series, release: Version, tree: Path) -> dict[str, str]:
     """File name -> content of ``patches/v<release>/``."""
     patches = generate(series, release, tree)
     files = {patch.filename: patch.text for patch in patches}
-    files[SERIES_FILE] = series_file(series, release, patches)
+    files[_patchset.SERIES_FILE] = series_file(series, release, patches)
     return files
-
-
-def committed(release: Version) -> dict[str, str]:
-    directory = release_dir(release)
-    if not directory.is_dir():
-        return {}
-    return {path.name: path.read_text() for path in sorted(directory.iterdir())}
-
-
-def series_patches(release: Version) -> list[Path]:
-    """The committed patch files of ``release``, in series order."""
-    directory = release_dir(release)
-    lines = (directory / SERIES_FILE).read_text().splitlines()
-    return [directory / line for line in lines if line and not line.startswith("#")]

@@ -61,7 +61,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_patches import _series
 from vllm_patches._errors import UserError
 from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, HOOKS
-from vllm_patches._series import Fix, Series
+from vllm_patches._series import Fix, Series, describe_releases
 
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
 ENV_FIXES = "VLLM_PATCHES_FIXES"
@@ -163,18 +163,13 @@ def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
 def supported_releases(series: Series) -> SpecifierSet:
     """The releases the series has been checked against: from the oldest lane's minor
     series (X.Y.0) through the newest lane. ``vllm-patches matrix`` covers exactly these."""
-    lanes = sorted(series.releases)
+    lanes = sorted(series.lanes)
     oldest, newest = lanes[0], lanes[-1]
     return SpecifierSet(f">={oldest.major}.{oldest.minor}.0,<={newest}")
 
 
-def describe_releases(releases: SpecifierSet) -> str:
-    """``>=0.18.0,<0.24.0`` (lower bounds first), not packaging's sorted ``<0.24.0,>=0.18.0``."""
-    return ",".join(sorted(map(str, releases), key=lambda spec: (spec.startswith("<"), spec)))
-
-
 def describe_range(series: Series) -> str:
-    lanes = sorted(series.releases)
+    lanes = sorted(series.lanes)
     return f"v{lanes[0].major}.{lanes[0].minor}.0 .. v{lanes[-1]}"
 
 

@@ -1,8 +1,8 @@
-"""The series: the ordered fixes, their metadata, and the pinned release lanes.
+"""The series: the ordered fixes, their metadata, the releases it covers and its lanes.
 
-Data lives in ``series.toml`` (order and lanes) and ``fixes/<id>.toml`` (one fix
-each, vllm-ascend's patch registry fields: What, Why, How, Related PR, Future plan).
-This module only loads and interprets it; tests validate it against the overlays.
+Data lives in ``series.toml`` (order, covered releases, lanes) and ``fixes/<id>.toml``
+(one fix each, vllm-ascend's patch registry fields: What, Why, How, Related PR, Future
+plan). This module only loads and interprets it; tests validate it against the overlays.
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 PATCHES_DIR = REPO_DIR / "patches"
 UPSTREAM_PACKAGE = "vllm"
+
+
+def describe_releases(releases: SpecifierSet) -> str:
+    """A range as people write it, lower bound first: ``>=0.18.0,<0.24.0`` (packaging's own
+    ``str`` sorts the clauses as text: ``<0.24.0,>=0.18.0``). Every range the tool prints
+    goes through here."""
+    return ",".join(sorted(map(str, releases), key=lambda spec: (spec.startswith("<"), spec)))
 
 
 @dataclass(frozen=True)
@@ -116,18 +123,22 @@ class Fix:
         if self.is_upstream(release):
             return f"upstream since v{self.upstream_since}"
         if release not in self.releases:
-            return f"not applicable: needed on vLLM {self.releases}, not on v{release}"
+            return (f"not applicable: needed on vLLM {describe_releases(self.releases)}, "
+                    f"not on v{release}")
         return None
 
 
 @dataclass(frozen=True)
 class Series:
     fixes: tuple[Fix, ...]
-    releases: tuple[Version, ...]
+    # Covered releases whose tests CI runs (tools/lanes.py); the first is the default.
+    lanes: tuple[Version, ...]
+    # Every release patches/ holds a directory for, oldest first (lanes included).
+    covered: tuple[Version, ...] = ()
 
     @property
     def default_release(self) -> Version:
-        return self.releases[0]
+        return self.lanes[0]
 
     def fix(self, fix_id: str) -> Fix:
         for fix in self.fixes:
@@ -140,10 +151,14 @@ class Series:
         """The fixes ``release`` needs, in series order."""
         return [fix for fix in self.fixes if fix.verdict(release) is None]
 
-    def require_supported(self, release: Version) -> None:
-        if release not in self.releases:
-            lanes = ", ".join(f"v{r}" for r in sorted(self.releases))
-            raise UserError(f"vLLM v{release} is not a supported release (supported: {lanes})")
+    def describe_covered(self) -> str:
+        return f"v{self.covered[0]} .. v{self.covered[-1]}" if self.covered else "none"
+
+    def require_covered(self, release: Version) -> None:
+        """Refuse a release that patches/ has no directory for (``--release`` of regen, export)."""
+        if release not in self.covered:
+            raise UserError(f"vLLM v{release} is not a release the series covers "
+                            f"({self.describe_covered()}; see series.toml)")
 
 
 @cache
@@ -151,4 +166,5 @@ def load() -> Series:
     """The series as ``series.toml`` and ``fixes/*.toml`` declare it."""
     data = tomllib.loads((PACKAGE_DIR / "series.toml").read_text())
     fixes = tuple(Fix.load(PACKAGE_DIR / "fixes" / f"{fix_id}.toml") for fix_id in data["order"])
-    return Series(fixes=fixes, releases=tuple(Version(r) for r in data["releases"]))
+    return Series(fixes=fixes, lanes=tuple(Version(r) for r in data["lanes"]),
+                  covered=tuple(Version(r) for r in data["covered"]))

@@ -546,7 +546,7 @@ def test_selection_by_environment():
 
 def test_supported_range_is_oldest_lane_series_to_newest_lane():
     supported = _runtime.supported_releases(SERIES)
-    lanes = sorted(SERIES.releases)
+    lanes = sorted(SERIES.lanes)
     assert Version(f"{lanes[0].major}.{lanes[0].minor}.0") in supported
     assert all(lane in supported for lane in lanes)
     assert Version(f"{lanes[-1].major}.{lanes[-1].minor + 1}.0") not in supported
@@ -638,7 +638,7 @@ def test_the_plugin_module_imports_without_libcst():
 
 
 @pytest.mark.parametrize("release", sorted({Version(f"0.{m}.0") for m in range(18, 34)}
-                                           | set(SERIES.releases)), ids=str)
+                                           | set(SERIES.lanes)), ids=str)
 def test_the_real_overlays_compile_for_every_supported_release(release):
     """What activation would execute on ``release``: selected, compiled, not run."""
     fixes = [s.fix for s in _runtime.plan(SERIES, release, [f.id for f in SERIES.fixes])

@@ -7,7 +7,8 @@ import libcst as cst
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _patches, _series
+from vllm_patches import _patchset, _series
+from vllm_patches._patchset import PatchSet
 from vllm_patches._splice import Overlay
 
 SERIES = _series.load()
@@ -90,18 +91,35 @@ def test_overlays_can_be_installed_onto_live_classes(path):
     assert not visitor.found, f"{path}: use super(UpstreamClass, self) instead"
 
 
-@pytest.mark.parametrize("release", SERIES.releases, ids=str)
-def test_each_lane_has_one_patch_per_needed_fix(release):
-    listed = _patches.series_patches(release)
+@pytest.mark.parametrize("release", SERIES.covered, ids=str)
+def test_each_covered_release_has_one_patch_per_needed_fix(release):
+    listed = [patch.path for patch in PatchSet.load(SERIES, release).patches]
     needed = SERIES.applicable(release)
     assert [p.name for p in listed] == [
         f"{n:04d}-{fix.name}.patch" for n, fix in enumerate(needed, start=1)]
     for path in listed:
         assert path.is_file()
-    text = (_patches.release_dir(release) / _patches.SERIES_FILE).read_text()
+    text = (_patchset.release_dir(release) / _patchset.SERIES_FILE).read_text()
     for fix in SERIES.fixes:
         if fix not in needed:
             assert f"# {fix.name}: {fix.verdict(release)}" in text
+
+
+def test_patches_dir_holds_exactly_the_covered_releases():
+    on_disk = sorted(p.name for p in _patchset.patches_dir().iterdir() if p.is_dir())
+    assert on_disk == sorted(f"v{release}" for release in SERIES.covered)
+
+
+def test_ranges_read_lower_bound_first_everywhere(capsys):
+    """Issue 11, item 10: `list` wrote <0.24.0,>=0.18.0 where README writes >=0.18.0,<0.24.0."""
+    from vllm_patches._cli import main
+
+    assert _series.describe_releases(SERIES.fix("F1").releases) == ">=0.18.0,<0.24.0"
+    main(["list"])
+    out = capsys.readouterr().out
+    assert "needed on vLLM >=0.18.0,<0.24.0;" in out and "<0.24.0,>=0.18.0" not in out
+    readme = (REPO / "README.md").read_text()
+    assert ">=0.18.0,<0.24.0" in readme and "<0.24.0,>=0.18.0" not in readme
 
 
 # Every release a fix's range or a deselect's range can name (vLLM is 0.x: 0.0.0 .. 0.99.9).

@@ -1,0 +1,51 @@
+"""`vllm-patches cache` shows and reclaims the cache (issue 11, item 9)."""
+
+import pytest
+from conftest import git
+
+from vllm_patches import _releases, _series
+from vllm_patches._cli import EXIT_OK, main
+
+RELEASE = _series.Version("0.21.0")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch, checkout):
+    """A cache of its own: v0.21.0 (from a local checkout), an archive, a leftover."""
+    monkeypatch.setenv("VLLM_PATCHES_CACHE", str(tmp_path / "cache"))
+    _releases.fetch_from_checkout(RELEASE, checkout)
+    _releases.fetch_from_checkout(_series.Version("0.17.0"), _tagged(checkout, "v0.17.0"))
+    sdist = _releases.sdists_dir()
+    sdist.mkdir(parents=True)
+    (sdist / "vllm-0.21.0.tar.gz").write_bytes(b"x" * 100_000)
+    (_releases.checkouts_dir() / ".fetch-abc123").mkdir()
+    return tmp_path / "cache"
+
+
+def _tagged(checkout, tag):
+    git(checkout, "tag", tag)
+    return checkout
+
+
+def test_cache_shows_sizes_and_what_prune_frees(cache, capsys):
+    assert main(["cache"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith(f"cache: {cache} ($VLLM_PATCHES_CACHE)")
+    assert "v0.21.0    checkout" in out and "v0.21.0    archive" in out
+    assert "v0.17.0    checkout" in out and "(not covered by the series)" in out
+    assert "interrupted fetch" in out
+    assert "`vllm-patches cache --prune` frees" in out
+
+
+def test_prune_keeps_the_covered_checkouts(cache, capsys):
+    assert main(["cache", "--prune"]) == EXIT_OK
+    assert "removed " in capsys.readouterr().out
+    assert _releases.cached_releases() == [RELEASE]
+    assert not any(_releases.sdists_dir().iterdir())
+    assert not (_releases.checkouts_dir() / ".fetch-abc123").exists()
+    assert main(["cache", "--remove", "v0.21.0"]) == EXIT_OK
+    assert _releases.cached_releases() == []
+    (cache / "unrelated.txt").write_text("not the tool's")
+    assert main(["cache", "--clear"]) == EXIT_OK
+    assert (cache / "unrelated.txt").exists()
+
