@@ -151,7 +151,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_regen(args: argparse.Namespace) -> int:
-    from vllm_patches import _patches, _patchset, _releases, _series
+    from vllm_patches import _patches, _patchset, _progress, _releases, _series
 
     series = _series.load()
     for release in args.release or ():
@@ -168,8 +168,9 @@ def cmd_regen(args: argparse.Namespace) -> int:
                     path.unlink()
                 directory.rmdir()
                 print(f"{directory.name}: removed (not covered)")
-    for release in releases:
-        files = _patches.render(series, release, _releases.fetch(release))
+    for number, release in enumerate(releases, start=1):
+        with _progress.step(f"regen v{release} ({number}/{len(releases)})"):
+            files = _patches.render(series, release, _releases.fetch(release))
         existing = _patchset.committed(release)
         if files == existing:
             print(f"v{release}: up to date ({len(files) - 1} patches)")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _patches, _releases, _runtime
+from vllm_patches import _patches, _progress, _releases, _runtime
 from vllm_patches._errors import UserError
 from vllm_patches._series import Fix, Series, describe_releases
 
@@ -91,7 +91,11 @@ def row(series: Series, release: Version, tree: Path) -> Row:
 
 def compute(series: Series, releases: list[Version]) -> list[Row]:
     """Rows for ``releases``, fetching (or reusing the cached) source of each."""
-    return [row(series, release, _releases.fetch(release)) for release in releases]
+    rows = []
+    for number, release in enumerate(releases, start=1):
+        with _progress.step(f"matrix v{release} ({number}/{len(releases)})"):
+            rows.append(row(series, release, _releases.fetch(release)))
+    return rows
 
 
 def render_row(row_: Row) -> str:

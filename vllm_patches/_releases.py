@@ -22,7 +22,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from vllm_patches import _git
+from vllm_patches import _git, _progress
 from vllm_patches._errors import Refused, UserError
 
 INDEX_URL = "https://pypi.org/simple/vllm/"
@@ -143,7 +143,13 @@ def _download_sdist(version: Version) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".part")
     with urllib.request.urlopen(entry["url"], timeout=600) as response, open(partial, "wb") as out:
-        shutil.copyfileobj(response, out, length=1 << 20)
+        total = int(response.headers.get("Content-Length") or 0)
+        done = 0
+        while chunk := response.read(1 << 20):
+            out.write(chunk)
+            done += len(chunk)
+            _progress.update(f"downloading {entry['filename']}: {done >> 20}"
+                             + (f"/{total >> 20} MB" if total else " MB"))
     actual = _sha256(partial)
     if actual != expected:
         partial.unlink()
@@ -202,22 +208,25 @@ def fetch(version: Version) -> Path:
         return dest
     import tarfile
 
-    sdist = _download_sdist(version)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as scratch:
-        with tarfile.open(sdist) as archive:
-            archive.extractall(scratch, filter="data")
-        (top,) = Path(scratch).iterdir()
-        for name in SDIST_BUILD_METADATA:
-            path = top / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-        _git.init_release_repo(top, tag, RELEASE_COMMIT_ENV)
-        if dest.exists():
-            shutil.rmtree(dest)
-        top.rename(dest)
+    with _progress.step(f"fetching vLLM {tag}"):
+        sdist = _download_sdist(version)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as scratch:
+            _progress.update(f"unpacking {sdist.name}")
+            with tarfile.open(sdist) as archive:
+                archive.extractall(scratch, filter="data")
+            (top,) = Path(scratch).iterdir()
+            for name in SDIST_BUILD_METADATA:
+                path = top / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+            _progress.update(f"committing vLLM {tag} into a git checkout")
+            _git.init_release_repo(top, tag, RELEASE_COMMIT_ENV)
+            if dest.exists():
+                shutil.rmtree(dest)
+            top.rename(dest)
     return dest
 
 

@@ -1,4 +1,8 @@
-"""`vllm-patches cache` shows and reclaims the cache (issue 11, item 9)."""
+"""`vllm-patches cache` shows and reclaims the cache, and slow verbs show progress on a
+terminal only (issue 11, item 9)."""
+
+import io
+import sys
 
 import pytest
 from conftest import git
@@ -7,6 +11,11 @@ from vllm_patches import _releases, _series
 from vllm_patches._cli import EXIT_OK, main
 
 RELEASE = _series.Version("0.21.0")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
 
 @pytest.fixture
@@ -49,3 +58,15 @@ def test_prune_keeps_the_covered_checkouts(cache, capsys):
     assert main(["cache", "--clear"]) == EXIT_OK
     assert (cache / "unrelated.txt").exists()
 
+
+def test_progress_only_on_a_terminal(cache, monkeypatch, capsys):
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["regen", "--check", "--release", "v0.21.0"]) == EXIT_OK
+    shown = terminal.getvalue()
+    assert "regen v0.21.0 (1/1)" in shown and shown.endswith("\r\033[K")
+    assert "up to date" in capsys.readouterr().out
+    piped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", piped)
+    assert main(["regen", "--check", "--release", "v0.21.0"]) == EXIT_OK
+    assert piped.getvalue() == ""
