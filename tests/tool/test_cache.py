@@ -5,7 +5,6 @@ import io
 import sys
 
 import pytest
-from conftest import git
 
 from vllm_patches import _releases, _series
 from vllm_patches._cli import EXIT_OK, main
@@ -23,17 +22,14 @@ def cache(tmp_path, monkeypatch, checkout):
     """A cache of its own: v0.21.0 (from a local checkout), an archive, a leftover."""
     monkeypatch.setenv("VLLM_PATCHES_CACHE", str(tmp_path / "cache"))
     _releases.fetch_from_checkout(RELEASE, checkout)
-    _releases.fetch_from_checkout(_series.Version("0.17.0"), _tagged(checkout, "v0.17.0"))
+    old = _releases.checkouts_dir() / "v0.17.0"  # a release the series does not cover
+    old.mkdir()
+    (old / "README.md").write_text("an old release\n")
     sdist = _releases.sdists_dir()
     sdist.mkdir(parents=True)
     (sdist / "vllm-0.21.0.tar.gz").write_bytes(b"x" * 100_000)
     (_releases.checkouts_dir() / ".fetch-abc123").mkdir()
     return tmp_path / "cache"
-
-
-def _tagged(checkout, tag):
-    git(checkout, "tag", tag)
-    return checkout
 
 
 def test_cache_shows_sizes_and_what_prune_frees(cache, capsys):
