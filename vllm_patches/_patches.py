@@ -168,7 +168,7 @@ def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]
 
 def series_file(series: Series, release: Version, patches: list[ReleasePatch]) -> str:
     """quilt's series file: the patches in order; fixes not applied are comments saying why."""
-    lines = [f"# vllm-patches series for vLLM v{release}; generated, do not edit."]
+    lines = [f"{_patchset.SERIES_HEADER} vLLM v{release}; generated, do not edit."]
     by_fix = {patch.fix.id: patch for patch in patches}
     for fix in series.fixes:
         if fix.id in by_fix:

@@ -22,6 +22,7 @@ from vllm_patches._errors import UserError
 from vllm_patches._series import Fix, Series
 
 SERIES_FILE = "series"
+SERIES_HEADER = "# vllm-patches series for"  # the series file's first line
 # The author of every committed patch (and the committer `apply` falls back to where the
 # user has no git identity).
 PATCH_AUTHOR_NAME = "vllm-patches maintainers"
@@ -111,22 +112,31 @@ class PatchSet:
 
     @classmethod
     def load(cls, series: Series, release: Version) -> PatchSet:
-        """The committed patches of ``release``; refuses when they do not match the series."""
+        """The committed patches of ``release``, as its series file lists them.
+
+        The series file names every fix of the series once, in order: its patch, or a
+        comment saying why the release does not take it. Only that shape is checked here;
+        that the patches are the ones the metadata's ranges call for is what `regen --check`
+        (CI) and tests/tool/test_series.py prove, so reading them compares no range.
+        """
         directory = release_dir(release)
         series_file = directory / SERIES_FILE
         if not series_file.is_file():
             raise UserError(f"no patches for vLLM v{release} in {directory.parent} "
                             f"(run `vllm-patches regen --release v{release}`)")
-        listed = [line for line in series_file.read_text().splitlines()
-                  if line and not line.startswith("#")]
-        fixes = series.applicable(release)
-        expected = [patch_filename(n, fix) for n, fix in enumerate(fixes, start=1)]
-        if listed != expected:
-            raise UserError(f"{directory} does not match the series (it lists "
-                            f"{', '.join(listed) or 'nothing'}); run "
-                            f"`vllm-patches regen --release v{release}`")
-        return cls(release, tuple(Patch.read(fix, directory / name)
-                                  for fix, name in zip(fixes, listed)))
+        lines = [line for line in series_file.read_text().splitlines()
+                 if line and not line.startswith(SERIES_HEADER)]
+        patches = []
+        for fix, line in zip(series.fixes, lines):
+            if line == patch_filename(len(patches) + 1, fix):
+                patches.append(Patch.read(fix, directory / line))
+            elif not line.startswith(f"# {fix.name}: "):
+                break
+        else:
+            if len(lines) == len(series.fixes):
+                return cls(release, tuple(patches))
+        raise UserError(f"{series_file} does not match the series ({', '.join(series.ids)}); "
+                        f"run `vllm-patches regen --release v{release}`")
 
     def paths(self) -> list[str]:
         """Every file the patches touch, sorted."""

@@ -32,7 +32,6 @@ committed") or carry other local changes, which `apply` and `revert` refuse.
 from __future__ import annotations
 
 import enum
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -166,6 +165,8 @@ def make(checkout: Checkout, series: Series, release: Version, three_way: bool) 
             base, head=head, tree=tree,
             undo={n: Change(("-R", patch_files[n - 1])) for n in range(1, len(exact))},
             finish=Change(tuple(patch_files[start:])))
+    import tempfile  # only here: most checkouts are recognized without trying a patch
+
     with tempfile.TemporaryDirectory(prefix="vllm-patches-") as scratch:
         trial = _Trial(checkout, patchset, head_blobs, Path(scratch), three_way)
         return trial.plan(base, tree_blobs)

@@ -1,5 +1,7 @@
 """The compatibility matrix, and README's generated section kept in sync with it."""
 
+import dataclasses
+
 import pytest
 from packaging.version import Version
 
@@ -80,8 +82,8 @@ def test_cells_for_a_lane_and_an_upstream_release(pristine_v0_21_0):
 def test_a_fix_that_does_not_splice_is_a_conflict_and_later_fixes_still_get_a_cell(
         monkeypatch, pristine_v0_21_0):
     f1 = SERIES.fix("F1")
-    f2 = _series.Fix(**{**f1.__dict__, "id": "F2", "slug": "second"})
-    f3 = _series.Fix(**{**f1.__dict__, "id": "F3", "slug": "third"})
+    f2 = dataclasses.replace(f1, id="F2", slug="second")
+    f3 = dataclasses.replace(f1, id="F3", slug="third")
     series = _series.Series((f1, f2, f3), SERIES.lanes)
 
     def generate(series_, release, tree):

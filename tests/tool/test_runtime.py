@@ -12,7 +12,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_patches import _runtime, _series
@@ -110,7 +109,7 @@ def new_helper():
 def make_fix(fix_id: str, overlays: list[str], releases: str = ">=0.18.0,<0.24.0",
              upstream_since: str | None = "0.24.0") -> Fix:
     return Fix(id=fix_id, slug=f"fake-{fix_id.lower()}", title="[Test] fake", what="w", why="w",
-               how="h", bug="", pr="", releases=SpecifierSet(releases),
+               how="h", bug="", pr="", releases_text=releases,
                upstream_since=Version(upstream_since) if upstream_since else None,
                future="f", overlays=tuple(overlays), tests=(), stock_fails=(), upstream_tests=(),
                deselect=())

@@ -166,3 +166,17 @@ why = "loads real model weights"
     path.write_text(base + f'[[deselect]]\nnode = "{node}"\nwhy = "w"\nrelease = ">=0.21"\n')
     with pytest.raises(ValueError, match="keys are node, releases, why"):
         _series.Fix.load(path)
+
+
+def test_a_series_file_that_does_not_match_the_series_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    release = SERIES.default_release
+    shutil.copytree(_patchset.release_dir(release), tmp_path / f"v{release}")
+    monkeypatch.setattr(_patchset, "patches_dir", lambda: tmp_path)
+    assert len(PatchSet.load(SERIES, release).patches) == len(SERIES.applicable(release))
+    series_file = tmp_path / f"v{release}" / _patchset.SERIES_FILE
+    lines = series_file.read_text().splitlines()
+    series_file.write_text("\n".join(lines[:2] + lines[3:]) + "\n")  # a fix left out
+    with pytest.raises(_series.UserError, match="does not match the series"):
+        PatchSet.load(SERIES, release)

@@ -12,9 +12,10 @@ import pytest
 from vllm_patches import _git, _series
 from vllm_patches._cli import EXIT_OK, main
 
-# Modules only regen/matrix (libcst) or fetch (the network) need. (pathlib itself
-# imports urllib.parse.)
-HEAVY = ("libcst", "urllib.request", "http", "tarfile", "json", "ssl", "email")
+# Modules only regen/matrix (libcst), fetch (the network, archives) or comparing a range
+# (packaging.specifiers) need. (pathlib imports urllib.parse, argparse shutil.)
+HEAVY = ("libcst", "urllib.request", "http", "tarfile", "json", "ssl", "email", "tempfile",
+         "packaging.specifiers")
 ENV = {**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}
 
 
