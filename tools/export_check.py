@@ -129,7 +129,7 @@ def plan(series: _series.Series, releases: list[Version] | None,
     chosen = [series.fix(fix_id) for fix_id in fix_ids] if fix_ids else list(series.fixes)
     result: dict[Version, list[_series.Fix]] = {}
     for fix in chosen:
-        lanes_needing = [r for r in sorted(series.releases, reverse=True)
+        lanes_needing = [r for r in sorted(series.lanes, reverse=True)
                          if fix.verdict(r) is None and (releases is None or r in releases)]
         for release in lanes_needing if releases else lanes_needing[:1]:
             result.setdefault(release, []).append(fix)

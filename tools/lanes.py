@@ -1,6 +1,6 @@
 """Run the vLLM-style tests of the series against real vLLM release trees, on CPU.
 
-For each lane (a release with generated patches):
+For each lane (a covered release whose tests CI runs, `lanes` in series.toml):
   1. fetch the release (cached git checkout) and a venv with its Python requirements
      and the CPU torch build;
   2. make two fresh clones: ``stock``, and ``patched`` with the series applied by
@@ -396,7 +396,7 @@ def main() -> int:
     parser.add_argument("--skip-upstream", action="store_true",
                         help="only the fix tests, not upstream's suites")
     args = parser.parse_args()
-    releases = args.release or list(_series.load().releases)
+    releases = args.release or list(_series.load().lanes)
     problems = []
     for release in releases:
         started = time.monotonic()

@@ -1,231 +1,285 @@
-"""A user's vLLM checkout and what the series is on it: status, apply, revert.
+"""A user's vLLM checkout: opening it, reading what git says about it, and carrying out
+a plan (``_plan``) on it: apply or revert, all or nothing.
 
-Every verb first works out the state of each patch in a scratch index (the user's
-index and work tree are not touched), and changes the checkout only when the whole
-series can go; a failure midway is rolled back, so a refused or failed operation
-leaves the checkout as it was.
+The rule: the tool changes nothing it did not create. Before changing anything it
+refuses, with one line and the checkout untouched, when a git operation of the user's
+is in progress (``git am``, rebase, merge, cherry-pick, revert: their state is the
+user's work), when the checkout is the tool's own cache of a release (only ``fetch``
+changes it), and when files the series touches carry changes that are not the series'
+own. A git command that fails midway is rolled back to where the operation started.
 """
 
 from __future__ import annotations
 
-import enum
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.version import Version
-
-from vllm_patches import _git, _patches, _releases
+from vllm_patches import _git, _releases
 from vllm_patches._errors import Refused, UserError
 from vllm_patches._git import GitError
-from vllm_patches._series import Fix, Series
+from vllm_patches._patchset import PATCH_AUTHOR_EMAIL, PATCH_AUTHOR_NAME, Blobs
+from vllm_patches._plan import FixStatus, Plan, State
 
-
-class State(enum.Enum):
-    APPLICABLE = "applicable"
-    APPLIED = "applied"
-    UPSTREAM = "upstream"
-    NOT_APPLICABLE = "not applicable"
-    CONFLICT = "conflict"
+# Files in the git directory that mean an operation of the user's is in progress: the
+# name, what it is, how to settle it.
+IN_PROGRESS = (
+    ("rebase-apply/applying", "a git am", "git am --continue, --skip or --abort"),
+    ("rebase-apply", "a git rebase", "git rebase --continue or --abort"),
+    ("rebase-merge", "a git rebase", "git rebase --continue or --abort"),
+    ("MERGE_HEAD", "a git merge", "commit it or git merge --abort"),
+    ("CHERRY_PICK_HEAD", "a git cherry-pick", "git cherry-pick --continue or --abort"),
+    ("REVERT_HEAD", "a git revert", "git revert --continue or --abort"),
+    ("sequencer", "a git cherry-pick or revert sequence", "--continue or --abort it"),
+)
 
 
 @dataclass(frozen=True)
-class FixStatus:
-    fix: Fix
-    state: State
-    detail: str = ""
-    patch: Path | None = None
+class LocalStatus:
+    """Paths with changes against HEAD (index or work tree), and those staged."""
 
-    def line(self) -> str:
-        text = f"{self.fix.id:<4} {self.fix.slug:<40} {self.state.value}"
-        return f"{text} ({self.detail})" if self.detail else text
+    changed: frozenset[str]
+    staged: frozenset[str]
 
 
+@dataclass(frozen=True)
 class Checkout:
-    """A vLLM source tree under git, at a known release."""
+    """A vLLM source tree at the top of its git repository, with at least one commit."""
 
-    def __init__(self, path: Path, release: Version | None, series: Series):
-        self.path = path.resolve()
-        if not self.path.is_dir():
-            raise UserError(f"{path}: no such directory")
-        if not _git.is_repo(self.path):
-            raise UserError(f"{path}: not a git repository (git init && git add -A && git commit it first)")
-        if _git.run(self.path, "rev-parse", "--show-toplevel").stdout.strip() != str(self.path):
-            raise UserError(f"{path}: not the top of its git repository")
-        if not (self.path / "vllm" / "v1").is_dir():
-            raise UserError(f"{path}: not a vLLM source tree (no vllm/v1/)")
-        if not _git.has_ref(self.path, "HEAD"):
-            raise UserError(f"{path}: the repository has no commit yet")
-        self.release = release or _releases.detect_release(self.path)
-        series.require_supported(self.release)
-        self.series = series
+    path: Path
+    git_dir: Path
+    head: str
 
-    def statuses(self) -> list[FixStatus]:
-        """The state of every fix of the series on this checkout, in series order."""
-        patches = dict(zip(self._applicable_ids(), _patches.series_patches(self.release)))
-        states = self._patch_states(list(patches.values()))
-        result = []
-        for fix in self.series.fixes:
-            if fix.id in patches:
-                state, detail = states[fix.id]
-                result.append(FixStatus(fix, state, detail, patches[fix.id]))
-            elif fix.is_upstream(self.release):
-                result.append(FixStatus(fix, State.UPSTREAM, f"since v{fix.upstream_since}"))
+    @classmethod
+    def open(cls, given: Path) -> Checkout:
+        path = given.resolve()
+        if not path.is_dir():
+            raise UserError(f"{given}: no such directory")
+        proc = _git.run(path, "rev-parse", "--show-toplevel", "--absolute-git-dir", "HEAD",
+                        check=False)
+        lines = proc.stdout.splitlines()
+        if len(lines) < 2:
+            raise UserError(f"{given}: not a git repository (git init && git add -A && "
+                            "git commit it first)")
+        if Path(lines[0]) != path:
+            raise UserError(f"{given}: not the top of its git repository ({lines[0]})")
+        if not (path / "vllm" / "v1").is_dir():
+            raise UserError(f"{given}: not a vLLM source tree (no vllm/v1/)")
+        if proc.returncode != 0:
+            raise UserError(f"{given}: the repository has no commit yet")
+        return cls(path, Path(lines[1]), lines[2])
+
+    def operation_in_progress(self) -> str | None:
+        """The user's git operation under way here, as a refusal; None when there is none."""
+        for name, what, settle in IN_PROGRESS:
+            if (self.git_dir / name).exists():
+                return (f"{self.path}: {what} is in progress ({self.git_dir / name}); "
+                        f"finish it first ({settle})")
+        return None
+
+    def orig_head(self) -> str | None:
+        """ORIG_HEAD as the user left it (git am and git reset move it)."""
+        path = self.git_dir / "ORIG_HEAD"
+        return path.read_text().strip() if path.is_file() else None
+
+    def cached_release(self) -> str | None:
+        """The release tag, when this checkout is the tool's own cache of a release."""
+        return self.path.name if self.path.parent == _releases.checkouts_dir().resolve() else None
+
+    def head_blobs(self, paths: list[str]) -> Blobs:
+        """The blob id of each path in HEAD (None: not in HEAD)."""
+        listed = _git.run(self.path, "ls-tree", "-z", "HEAD", "--", *paths).stdout
+        blobs: Blobs = dict.fromkeys(paths)
+        for entry in filter(None, listed.split("\0")):
+            info, path = entry.split("\t", 1)
+            blobs[path] = info.split()[2]
+        return blobs
+
+    def local_status(self) -> LocalStatus:
+        """What differs from HEAD, from one ``git status`` (tracked files only)."""
+        out = _git.run(self.path, "status", "--porcelain=v2", "-z", "--untracked-files=no",
+                       "--ignore-submodules=all", env=_git.READ_ONLY_ENV).stdout
+        changed, staged = set(), set()
+        entries = iter(out.split("\0"))
+        for entry in entries:
+            if not entry:
+                continue
+            kind, fields = entry[0], entry.split(" ")
+            if kind == "1":
+                path = entry.split(" ", 8)[8]
+            elif kind == "2":
+                path = entry.split(" ", 9)[9]
+                changed.add(next(entries))  # a rename's source
+            elif kind == "u":
+                path = entry.split(" ", 10)[10]
+                staged.add(path)
             else:
-                result.append(FixStatus(fix, State.NOT_APPLICABLE, fix.verdict(self.release)
-                                        .removeprefix("not applicable: ")))
-        return result
+                continue
+            changed.add(path)
+            if fields[1][0] != ".":
+                staged.add(path)
+        return LocalStatus(frozenset(changed), frozenset(staged))
 
-    def _applicable_ids(self) -> list[str]:
-        ids = [fix.id for fix in self.series.applicable(self.release)]
-        committed = _patches.series_patches(self.release)
-        if len(committed) != len(ids):
-            raise UserError(
-                f"patches/v{self.release} does not match the series; run `vllm-patches regen`"
-            )
-        return ids
+    def work_tree_blobs(self, paths: tuple[str, ...]) -> Blobs:
+        """The blob id each path's work-tree file would get (None: no such file); nothing
+        is written."""
+        present = [path for path in paths if (self.path / path).is_file()]
+        ids = _git.run(self.path, "hash-object", "--stdin-paths",
+                       input="".join(f"{path}\n" for path in present)).stdout.split()
+        blobs: Blobs = dict.fromkeys(paths)
+        blobs.update(zip(present, ids, strict=True))
+        return blobs
 
-    def _patch_states(self, patches: list[Path]) -> dict[str, tuple[State, str]]:
-        """Per fix id: applicable / applied / conflict, judged on HEAD's tree.
 
-        Applied patches can only form a prefix of the series (git am stops at the
-        first failure): the longest prefix that reverse-applies, newest first, is
-        applied; the rest are forward-checked on top of HEAD, in order.
-        """
-        ids = self._applicable_ids()
-        with _ScratchIndex(self.path) as scratch:
-            applied = 0
-            for count in range(len(patches), 0, -1):
-                scratch.reset()
-                if all(scratch.apply(p, reverse=True) is None for p in reversed(patches[:count])):
-                    applied = count
-                    break
-            states = {fix_id: (State.APPLIED, "") for fix_id in ids[:applied]}
-            scratch.reset()
-            blocked = None
-            for fix_id, patch in zip(ids[applied:], patches[applied:]):
-                error = None if blocked else scratch.apply(patch)
-                if blocked:
-                    states[fix_id] = (State.CONFLICT, f"needs {blocked} first")
-                elif error is None:
-                    states[fix_id] = (State.APPLICABLE, patch.name)
-                else:
-                    states[fix_id] = (State.CONFLICT, error)
-                    blocked = fix_id
-        return states
+def _require_changeable(plan: Plan) -> None:
+    checkout = plan.checkout
+    busy = checkout.operation_in_progress()
+    if busy:
+        raise Refused(busy)
+    tag = checkout.cached_release()
+    if tag:
+        raise Refused(f"{checkout.path} is vllm-patches' cache of vLLM {tag}, which only "
+                      f"`vllm-patches fetch` changes; clone it and work there: "
+                      f"git clone {checkout.path} vllm-{tag}")
 
-    def _touched_paths(self) -> list[str]:
-        return sorted({Fix.upstream_path(o) for f in self.series.applicable(self.release)
-                       for o in f.overlays})
 
-    def _require_clean(self) -> None:
-        dirty = _git.run(self.path, "status", "--porcelain", "--", *self._touched_paths()).stdout
-        if dirty.strip():
-            files = ", ".join(line[3:] for line in dirty.splitlines())
-            raise Refused(f"{self.path}: uncommitted changes in files the series touches: {files}")
+def _require_no_staged_touched(plan: Plan) -> None:
+    if plan.staged_touched:
+        raise Refused(f"{plan.checkout.path}: staged changes in files the series touches: "
+                      f"{', '.join(plan.staged_touched)}; --no-commit changes the work tree "
+                      "only, unstage them first (git restore --staged FILE)")
 
-    def _plan(self, want: State) -> list[FixStatus]:
-        """The patches to move out of state ``want``; [] when none is in it.
 
-        Refuses when a patch conflicts or the series is half-applied: only a
-        whole series is ever applied or reverted.
-        """
-        statuses = [s for s in self.statuses() if s.patch is not None]
-        conflicts = [s for s in statuses if s.state is State.CONFLICT]
-        if conflicts:
-            raise Refused("; ".join(f"{s.fix.id} conflicts: {s.detail}" for s in conflicts))
-        if len({s.state for s in statuses}) > 1:
-            applied = ", ".join(s.fix.id for s in statuses if s.state is State.APPLIED)
-            raise Refused(
-                f"{self.path}: half-applied series ({applied} applied, the rest not); "
-                "revert the applied fixes or finish them by hand first"
-            )
-        return [s for s in statuses if s.state is want]
+def _require_clean_for_commits(plan: Plan, verb: str) -> None:
+    """Commits need the touched files as HEAD has them and nothing else staged."""
+    path = plan.checkout.path
+    if plan.local_changes:
+        statuses = plan.statuses
+        uncommitted = [s.fix.id for s in statuses if s.state is State.UNCOMMITTED]
+        reverted = [s.fix.id for s in statuses if s.state is State.REVERTED_UNCOMMITTED]
+        if plan.tree is None or not (uncommitted or reverted):
+            raise Refused(f"{path}: uncommitted changes in files the series touches: "
+                          f"{', '.join(plan.local_changes)}")
+        if uncommitted:
+            raise Refused(f"{path}: {', '.join(uncommitted)} applied in the work tree but not "
+                          f"committed (apply --no-commit); commit them with git, or undo them "
+                          f"with `vllm-patches revert --no-commit`, then {verb}")
+        raise Refused(f"{path}: {', '.join(reverted)} reverted in the work tree but not "
+                      f"committed (revert --no-commit); commit that with git, or restore them "
+                      f"with `vllm-patches apply --no-commit`, then {verb}")
+    if plan.staged_elsewhere:
+        raise Refused(f"{path}: the index has staged changes ({', '.join(plan.staged_elsewhere)}) "
+                      f"that the commits of `{verb}` would take along: commit or unstage them "
+                      "first")
 
-    def apply(self, commit: bool, three_way: bool, check: bool) -> list[FixStatus]:
-        """Apply every applicable patch, all or nothing; returns what was (or would be) applied."""
-        self._require_clean()
-        statuses = self._plan(State.APPLICABLE)
-        patches = [str(s.patch) for s in statuses]
-        if check or not patches:
-            return statuses
-        if commit:
-            if _git.run(self.path, "diff", "--cached", "--quiet", check=False).returncode != 0:
-                raise Refused(f"{self.path}: the index has staged changes; git am needs it clean")
-            args = ["am", "--quiet", "--keep-non-patch", *(["--3way"] if three_way else []), *patches]
-            self._all_or_nothing(args, undo=("am", "--abort"))
+
+def _require_known_tree(plan: Plan) -> int:
+    """The work tree's position, for --no-commit; refuses foreign local changes."""
+    if plan.tree is None:
+        raise Refused(f"{plan.checkout.path}: uncommitted changes in files the series touches: "
+                      f"{', '.join(plan.local_changes)}")
+    _require_no_staged_touched(plan)
+    return plan.tree
+
+
+def _require_no_conflict(todo: list[FixStatus]) -> None:
+    conflicts = [s for s in todo if s.state is State.CONFLICT]
+    if conflicts:
+        raise Refused("; ".join(f"{s.fix.id} conflicts: {s.detail}" for s in conflicts))
+
+
+def apply(plan: Plan, commit: bool, check: bool) -> tuple[list[FixStatus], Plan]:
+    """Apply the patches the checkout does not hold yet, all or nothing: with ``commit``
+    one commit per fix (``git am``), else in the work tree (``git apply``). Finishes a
+    half-applied series. Returns what was (or, with ``check``, would be) applied and the
+    plan after it."""
+    _require_changeable(plan)
+    if commit:
+        _require_clean_for_commits(plan, "apply")
+        start = plan.head
+    else:
+        start = _require_known_tree(plan)
+    last = len(plan.patches)
+    todo = [s for s in plan.statuses if s.patch is not None
+            and plan.patches.index(s.patch) >= start]
+    _require_no_conflict(todo)
+    if check or not todo:
+        return todo, plan
+    if commit:
+        args = ["am", "--quiet", "--keep-non-patch", *(["--3way"] if plan.three_way else []),
+                *(str(patch.path) for patch in plan.patches[start:])]
+        git_am(plan.checkout, args, _identity_env(plan.checkout.path))
+        return todo, plan.after(last, last)
+    finish = plan.finish
+    if finish is None:  # no position of the series is known beyond a merge git cannot make
+        raise Refused(f"{plan.checkout.path}: the series cannot be finished in the work tree")
+    _git.run(plan.checkout.path, "apply", *finish.args, input=finish.text)  # atomic
+    return todo, plan.after(plan.head, last)
+
+
+def revert(plan: Plan, commit: bool, check: bool) -> tuple[list[FixStatus], Plan]:
+    """Undo the applied patches, newest first, all or nothing: with ``commit`` one revert
+    commit per fix, else in the work tree. Undoes the applied part of a half-applied
+    series. Returns what was (or would be) reverted and the plan after it."""
+    _require_changeable(plan)
+    if commit:
+        _require_clean_for_commits(plan, "revert")
+        end = plan.head
+    else:
+        end = _require_known_tree(plan)
+    todo = [s for s in plan.statuses if s.patch is not None
+            and plan.patches.index(s.patch) < end]
+    if check or not todo:
+        return todo, plan
+    repo = plan.checkout.path
+    if not commit:
+        changes = [plan.undo[number] for number in range(end, 0, -1)]
+        if all(change.text is None for change in changes):
+            _git.run(repo, "apply", *(arg for change in changes for arg in change.args))
         else:
-            args = ["apply", *(["--3way"] if three_way else []), *patches]
-            _git.run(self.path, *args)  # git apply is atomic over all the patches it is given
-        return statuses
+            _git.run(repo, "apply", "-", input="".join(change.text or "" for change in changes))
+        return todo, plan.after(plan.head, 0)
+    orig_head = plan.checkout.orig_head()
+    identity = _identity_env(repo)
+    try:
+        for number in range(end, 0, -1):
+            change, fix = plan.undo[number], plan.patches[number - 1].fix
+            _git.run(repo, "apply", "--index", *change.args, input=change.text)
+            _git.run(repo, "commit", "--quiet", "--no-verify", "-m",
+                     f'Revert "{fix.title}"\n\nVllm-Patches-Fix: {fix.id}', env=identity)
+    except GitError:
+        _roll_back(plan.checkout, orig_head)
+        raise
+    return todo, plan.after(0, 0)
 
-    def revert(self, commit: bool, check: bool) -> list[FixStatus]:
-        """Undo every applied patch (newest first), all or nothing."""
-        self._require_clean()
-        statuses = self._plan(State.APPLIED)
-        if check or not statuses:
-            return statuses
-        patches = [str(s.patch) for s in reversed(statuses)]
-        if not commit:
-            _git.run(self.path, "apply", "--reverse", *patches)
-            return statuses
-        start = _git.head(self.path)
-        try:
-            for status in reversed(statuses):
-                _git.run(self.path, "apply", "--reverse", "--index", str(status.patch))
-                _git.run(self.path, "commit", "--quiet", "--no-verify", "-m",
-                         f'Revert "{status.fix.title}"\n\nVllm-Patches-Fix: {status.fix.id}',
-                         env=_identity_env(self.path))
-        except GitError:
-            _git.run(self.path, "reset", "--quiet", "--keep", start)
-            raise
-        return statuses
 
-    def _all_or_nothing(self, args: list[str], undo: tuple[str, ...]) -> None:
-        start = _git.head(self.path)
-        try:
-            _git.run(self.path, *args, env=_identity_env(self.path))
-        except GitError:
-            _git.run(self.path, *undo, check=False)
-            if _git.head(self.path) != start:
-                _git.run(self.path, "reset", "--quiet", "--keep", start)
-            raise
+def git_am(checkout: Checkout, args: list[str], env: dict[str, str]) -> None:
+    """Run ``git am`` (``args`` from ``am`` on) all or nothing: if it fails, abort it (it
+    is ours: the caller refused any operation in progress) and put HEAD, the index, the
+    touched files and ORIG_HEAD back."""
+    orig_head = checkout.orig_head()
+    try:
+        _git.run(checkout.path, *args, env=env)
+    except GitError:
+        _git.run(checkout.path, "am", "--abort", check=False)
+        _roll_back(checkout, orig_head)
+        raise
+
+
+def _roll_back(checkout: Checkout, orig_head: str | None) -> None:
+    """HEAD, the index and the files the operation changed back where it found them, and
+    ORIG_HEAD (git am and git reset move it) to what the user had. ``--merge`` resets
+    what differs from the start and keeps the user's unstaged changes elsewhere: before a
+    committing operation nothing was staged and the touched files were clean."""
+    _git.run(checkout.path, "reset", "--quiet", "--merge", checkout.head)
+    if orig_head is None:
+        _git.run(checkout.path, "update-ref", "-d", "ORIG_HEAD", check=False)
+    else:
+        _git.run(checkout.path, "update-ref", "--no-deref", "ORIG_HEAD", orig_head)
 
 
 def _identity_env(repo: Path) -> dict[str, str]:
     """A committer identity for git am/commit where the user has none configured."""
     if _git.run(repo, "config", "user.email", check=False).returncode == 0:
         return {}
-    return {"GIT_COMMITTER_NAME": _patches.PATCH_AUTHOR_NAME,
-            "GIT_COMMITTER_EMAIL": _patches.PATCH_AUTHOR_EMAIL,
-            "GIT_AUTHOR_NAME": _patches.PATCH_AUTHOR_NAME,
-            "GIT_AUTHOR_EMAIL": _patches.PATCH_AUTHOR_EMAIL}
-
-
-class _ScratchIndex:
-    """A throwaway index holding HEAD's tree, to try patches without touching the checkout."""
-
-    def __init__(self, repo: Path):
-        self.repo = repo
-
-    def __enter__(self) -> _ScratchIndex:
-        self._dir = tempfile.TemporaryDirectory()
-        self.env = {"GIT_INDEX_FILE": os.path.join(self._dir.name, "index")}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._dir.cleanup()
-
-    def reset(self) -> None:
-        _git.run(self.repo, "read-tree", "HEAD", env=self.env)
-
-    def apply(self, patch: Path, reverse: bool = False) -> str | None:
-        """Apply ``patch`` to the scratch index; None, or git's reason it does not apply."""
-        args = ["apply", "--cached", *(["--reverse"] if reverse else []), str(patch)]
-        proc = _git.run(self.repo, *args, env=self.env, check=False)
-        if proc.returncode == 0:
-            return None
-        reasons = [line.removeprefix("error: ") for line in proc.stderr.splitlines()
-                   if line.startswith("error:")]
-        return "; ".join(reasons) or proc.stderr.strip()
+    return {"GIT_COMMITTER_NAME": PATCH_AUTHOR_NAME, "GIT_COMMITTER_EMAIL": PATCH_AUTHOR_EMAIL,
+            "GIT_AUTHOR_NAME": PATCH_AUTHOR_NAME, "GIT_AUTHOR_EMAIL": PATCH_AUTHOR_EMAIL}

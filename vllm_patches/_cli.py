@@ -1,29 +1,35 @@
 """The ``vllm-patches`` command: verbs that each do one thing.
 
-Exit codes: 0 done (or nothing to do, or a --check that passed); 1 refused (a
-patch conflicts, the series is half-applied, files the series touches have local
-changes, patches/ is stale; `matrix`: a release needs a fix that does not splice
-there; `doctor`: a known-bad combination, or the plugin would stop vLLM from
-starting); 2 bad input (not a git repository, not a vLLM tree, unknown or
-unsupported release, bad arguments).
+Exit codes: 0 done (or nothing to do, or a --check that passed); 1 refused (a patch
+conflicts, files the series touches have local changes, a git operation of the user's
+is in progress, the checkout is the tool's cache, patches/ is stale; `matrix`: a
+release needs a fix that does not splice there, or the index has a release the series
+does not cover; `doctor`: a known-bad combination, or the plugin would stop vLLM from
+starting); 2 bad input (bad arguments, not a git repository, not a vLLM tree, a release
+the series does not cover or that cannot be told). Output cut short by a closed pipe
+(``vllm-patches list -v | head``) ends quietly with 141, as a shell reports a command
+killed by SIGPIPE.
+
+Each verb imports what it needs when it runs: `--help`, `list` and `status` never load
+libcst (splicing, for regen and matrix) or the network modules.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from packaging.version import Version
-
-from vllm_patches import _doctor, _export, _git, _matrix, _patches, _releases, _series
-from vllm_patches._checkout import Checkout, State
 from vllm_patches._errors import Refused, UserError
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE
 
 
-def _release_arg(text: str) -> Version:
+def _release_arg(text: str):
+    from vllm_patches import _releases
+
     try:
         return _releases.parse_release(text)
     except UserError as exc:
@@ -31,43 +37,59 @@ def _release_arg(text: str) -> Version:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from vllm_patches import _series
+
     series = _series.load()
     for number, fix in enumerate(series.fixes, start=1):
         upstream = f"upstream since v{fix.upstream_since}" if fix.upstream_since else "not upstream"
         print(f"{number}. {fix.id} {fix.slug}: {fix.title}")
-        print(f"   needed on vLLM {fix.releases}; {upstream}")
+        print(f"   needed on vLLM {_series.describe_releases(fix.releases_text)}; {upstream}")
         print(f"   bug {fix.bug}" + (f"; PR {fix.pr}" if fix.pr else ""))
         if args.verbose:
             for label, text in (("What", fix.what), ("Why", fix.why), ("How", fix.how),
                                 ("Future", fix.future)):
                 print(f"   {label}: " + "\n     ".join(text.splitlines()))
-    lanes = ", ".join(f"v{r}" for r in series.releases)
-    print(f"patches generated for: {lanes} (default v{series.default_release})")
+    lanes = ", ".join(f"v{r}" for r in series.lanes)
+    print(f"patches for every release {series.describe_covered()} ({len(series.covered)}); "
+          f"tests run on the lanes {lanes} (default v{series.default_release})")
     return EXIT_OK
 
 
-def _checkout(args: argparse.Namespace) -> Checkout:
-    return Checkout(Path(args.checkout), args.release, _series.load())
+def _plan(args: argparse.Namespace, verb: str, three_way: bool = False):
+    from vllm_patches import _plan, _series
+    from vllm_patches._checkout import Checkout
+
+    series = _series.load()
+    checkout = Checkout.open(Path(args.checkout))
+    release = _plan.resolve_release(checkout, series, args.release, verb)
+    return _plan.make(checkout, series, release, three_way)
 
 
-def _print_statuses(checkout: Checkout, statuses) -> None:
-    print(f"{checkout.path}: vLLM v{checkout.release}")
-    for status in statuses:
+def _print_plan(plan) -> None:
+    print(f"{plan.checkout.path}: vLLM v{plan.release}")
+    for status in plan.statuses:
         print(f"  {status.line()}")
+    busy = plan.checkout.operation_in_progress()
+    for note in [*plan.notes(), *([busy] if busy else [])]:
+        print(f"  note: {note}")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    checkout = _checkout(args)
-    statuses = checkout.statuses()
-    _print_statuses(checkout, statuses)
-    return EXIT_REFUSED if any(s.state is State.CONFLICT for s in statuses) else EXIT_OK
+    from vllm_patches._plan import State
+
+    plan = _plan(args, "status", args.three_way)
+    _print_plan(plan)
+    return EXIT_REFUSED if any(s.state is State.CONFLICT for s in plan.statuses) else EXIT_OK
 
 
-def _default_checkout(release: Version | None) -> Path:
+def _default_checkout(release) -> Path:
     """A fresh working copy of the (default) release in the current directory."""
+    from vllm_patches import _git, _releases, _series
+
     release = release or _series.load().default_release
     target = Path.cwd() / f"vllm-v{release}"
     if not target.exists():
+        _series.load().require_covered(release)
         pristine = _releases.fetch(release)
         _git.run(Path.cwd(), "clone", "--quiet", str(pristine), str(target))
         print(f"fetched vLLM v{release} into {target}")
@@ -75,23 +97,27 @@ def _default_checkout(release: Version | None) -> Path:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    from vllm_patches import _checkout
+
     if args.checkout is None:
         args.checkout = str(_default_checkout(args.release))
-    checkout = _checkout(args)
-    planned = checkout.apply(commit=not args.no_commit, three_way=args.three_way, check=args.check)
-    return _report(checkout, planned, args.check, "applies", "apply")
+    plan = _plan(args, "apply", args.three_way)
+    done, after = _checkout.apply(plan, commit=not args.no_commit, check=args.check)
+    return _report(after, done, args.check, "applies", "apply")
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    checkout = _checkout(args)
-    planned = checkout.revert(commit=not args.no_commit, check=args.check)
-    return _report(checkout, planned, args.check, "reverts", "revert")
+    from vllm_patches import _checkout
+
+    plan = _plan(args, "revert")
+    done, after = _checkout.revert(plan, commit=not args.no_commit, check=args.check)
+    return _report(after, done, args.check, "reverts", "revert")
 
 
-def _report(checkout: Checkout, planned, check: bool, verb: str, noun: str) -> int:
-    _print_statuses(checkout, checkout.statuses())
-    ids = ", ".join(s.fix.id for s in planned)
-    if not planned:
+def _report(plan, done, check: bool, verb: str, noun: str) -> int:
+    _print_plan(plan)
+    ids = ", ".join(s.fix.id for s in done)
+    if not done:
         print(f"nothing to {noun}")
     elif check:
         print(f"check passed: {ids} {verb} cleanly")
@@ -101,18 +127,34 @@ def _report(checkout: Checkout, planned, check: bool, verb: str, noun: str) -> i
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from vllm_patches import _export, _series
+
     return _export.command(_series.load(), args.fix, args.release, args.onto, args.output,
                            args.three_way, args.check)
 
 
 def cmd_regen(args: argparse.Namespace) -> int:
+    from vllm_patches import _patches, _patchset, _progress, _releases, _series
+
     series = _series.load()
-    releases = args.release or list(series.releases)
+    for release in args.release or ():
+        series.require_covered(release)
+    releases = args.release or list(series.covered)
     stale = []
-    for release in releases:
-        series.require_supported(release)
-        files = _patches.render(series, release, _releases.fetch(release))
-        existing = _patches.committed(release)
+    if not args.release:  # directories of releases the series no longer covers
+        for directory in sorted(_patchset.patches_dir().glob("v*")):
+            if directory.is_dir() and directory.name not in {f"v{r}" for r in series.covered}:
+                if args.check:
+                    stale.append(f"{directory.name}: not a covered release")
+                    continue
+                for path in directory.iterdir():
+                    path.unlink()
+                directory.rmdir()
+                print(f"{directory.name}: removed (not covered)")
+    for number, release in enumerate(releases, start=1):
+        with _progress.step(f"regen v{release} ({number}/{len(releases)})"):
+            files = _patches.render(series, release, _releases.fetch(release))
+        existing = _patchset.committed(release)
         if files == existing:
             print(f"v{release}: up to date ({len(files) - 1} patches)")
             continue
@@ -121,7 +163,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
                              if files.get(name) != existing.get(name))
             stale.append(f"v{release}: {', '.join(changed)}")
             continue
-        directory = _patches.release_dir(release)
+        directory = _patchset.release_dir(release)
         directory.mkdir(parents=True, exist_ok=True)
         for name in existing.keys() - files.keys():
             (directory / name).unlink()
@@ -134,6 +176,8 @@ def cmd_regen(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
+    from vllm_patches import _releases
+
     if args.source:
         print(_releases.fetch_from_checkout(args.release_positional, Path(args.source)))
     else:
@@ -142,12 +186,20 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
+    from vllm_patches import _matrix, _releases, _series
+
     series = _series.load()
     if args.write_readme and args.cached_only:
-        raise UserError("--write-readme needs every release of the range; drop --cached-only")
-    available = _releases.cached_releases() if args.cached_only else _releases.sdist_releases()
-    rows = _matrix.compute(series, _matrix.releases_in_range(series, available))
-    sys.stdout.write(_matrix.render(series, rows))
+        raise UserError("--write-readme needs every covered release; drop --cached-only")
+    if args.cached_only:
+        cached = set(_releases.cached_releases())
+        releases, uncovered = [r for r in series.covered if r in cached], []
+    else:
+        releases = list(series.covered)
+        uncovered = [r for r in _matrix.releases_in_range(series, _releases.sdist_releases())
+                     if r not in series.covered]
+    rows = _matrix.compute(series, releases)
+    sys.stdout.write(_matrix.render(series, rows, uncovered))
     if args.write_readme:
         readme = _series.REPO_DIR / "README.md"
         if not readme.is_file():
@@ -156,10 +208,30 @@ def cmd_matrix(args: argparse.Namespace) -> int:
                                                   _matrix.readme_section(series, rows)))
         print(f"wrote the matrix into {readme}")
     broken = [r for r in rows if any(c.state in _matrix.PROBLEMS for c in r.cells.values())]
-    return EXIT_REFUSED if broken else EXIT_OK
+    return EXIT_REFUSED if broken or uncovered else EXIT_OK
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from vllm_patches import _cache, _series
+
+    series = _series.load()
+    if args.remove:
+        removed = _cache.remove(_cache.of_releases(args.remove))
+    elif args.prune:
+        removed = _cache.remove(_cache.prunable(series))
+    elif args.clear:
+        removed = _cache.remove(_cache.entries())
+    else:
+        print("\n".join(_cache.report(series)))
+        return EXIT_OK
+    print(f"removed {_cache.human(sum(e.size for e in removed))} "
+          f"({len(removed)} items) from {_cache.root()}")
+    return EXIT_OK
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from vllm_patches import _doctor
+
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise UserError(f"--tensor-parallel-size must be 1 or more, not {args.tensor_parallel_size}")
     lines, bad = _doctor.report(args.tensor_parallel_size, load=not args.no_load)
@@ -167,9 +239,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_REFUSED if bad else EXIT_OK
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line on stderr (and exit 2), not argparse's usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-patches", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="vllm-patches", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     def verb(name: str, func, help_text: str) -> argparse.ArgumentParser:
@@ -183,11 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = verb("list", cmd_list, "the series, in order, with its metadata")
     sub.add_argument("-v", "--verbose", action="store_true", help="also What/Why/How/Future")
 
-    sub = verb("status", cmd_status, "per fix: applicable, applied, upstream, not applicable or conflict")
+    sub = verb("status", cmd_status, "per fix: applicable, applied, applied or reverted but "
+                                     "not committed, upstream, not applicable, or conflict")
     sub.add_argument("checkout")
     release_option(sub, help="the checkout's release, if it cannot be detected")
+    sub.add_argument("--3way", dest="three_way", action="store_true",
+                     help="judge as `apply --3way` would (git may merge where context differs)")
 
-    sub = verb("apply", cmd_apply, "apply the whole series for the checkout's release, all or nothing")
+    sub = verb("apply", cmd_apply, "apply the series for the checkout's release, all or "
+                                   "nothing (finishes a half-applied series)")
     sub.add_argument("checkout", nargs="?",
                      help="a vLLM git checkout (default: fetch the release into ./vllm-vX.Y.Z)")
     release_option(sub, help="the checkout's release (default: detected; without a checkout, "
@@ -196,9 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--3way", dest="three_way", action="store_true",
                      help="let git fall back to a 3-way merge")
     sub.add_argument("--no-commit", action="store_true",
-                     help="change the work tree only (git apply) instead of commits (git am)")
+                     help="change the work tree only instead of one commit per fix (git am)")
 
-    sub = verb("revert", cmd_revert, "undo the applied series, all or nothing")
+    sub = verb("revert", cmd_revert, "undo the applied fixes, all or nothing")
     sub.add_argument("checkout")
     release_option(sub, help="the checkout's release, if it cannot be detected")
     sub.add_argument("--check", action="store_true", help="only say whether it would revert")
@@ -209,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "tests, with the fixes it requires, signed off by you")
     sub.add_argument("fix", help="fix id, e.g. F1")
     release_option(sub, help="whose patches (default: the --onto checkout's release, else the "
-                             "newest lane that has the fix)")
+                             "newest covered release that has the fix)")
     sub.add_argument("--onto", metavar="CHECKOUT",
                      help="your vLLM clone or branch: check the series applies on its HEAD and "
                           "git am it there (all or nothing)")
@@ -221,10 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the patches and the PR description into this new directory "
                           "(default: the patches as one mbox on stdout)")
 
-    sub = verb("regen", cmd_regen, "regenerate patches/ from the overlays")
+    sub = verb("regen", cmd_regen, "regenerate patches/ from the overlays (needs the dev "
+                                   "extras: pip install -e '.[dev]')")
     sub.add_argument("--check", action="store_true",
                      help="fail (exit 1) if patches/ differs from what the overlays generate")
-    release_option(sub, action="append", help="only this lane (repeatable)")
+    release_option(sub, action="append", help="only this covered release (repeatable)")
 
     sub = verb("fetch", cmd_fetch, "fetch a release's source archive into a cached git checkout")
     sub.add_argument("release_positional", type=_release_arg, metavar="RELEASE")
@@ -232,12 +316,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="take the release from this vLLM git checkout (its tag vX.Y.Z) "
                           "instead of the index's source archive")
 
-    sub = verb("matrix", cmd_matrix, "per supported release: does each fix apply, is it "
+    sub = verb("matrix", cmd_matrix, "per covered release: does each fix splice, is it "
                                      "upstream, or not needed")
     sub.add_argument("--write-readme", action="store_true",
                      help="also write the table into README.md's generated section")
     sub.add_argument("--cached-only", action="store_true",
                      help="only the releases already fetched (no network)")
+
+    sub = verb("cache", cmd_cache, "show the cache of fetched releases and reclaim its space")
+    choice = sub.add_mutually_exclusive_group()
+    choice.add_argument("--remove", nargs="+", type=_release_arg, metavar="vX.Y.Z",
+                        help="remove these releases (fetch brings them back)")
+    choice.add_argument("--prune", action="store_true",
+                        help="remove the downloaded archives (each checkout holds its files), "
+                             "releases the series does not cover, and interrupted fetches")
+    choice.add_argument("--clear", action="store_true", help="remove everything")
 
     sub = verb("doctor", cmd_doctor, "this Python's vLLM and kvcached, the fixes active in it, "
                                      "and known-bad combinations")
@@ -249,13 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        args = build_parser().parse_args(argv)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except Refused as exc:
         print(f"vllm-patches: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except UserError as exc:
         print(f"vllm-patches: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        # The reader left (`| head`): stop quietly. stdout is pointed at /dev/null so
+        # that Python's flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

@@ -100,8 +100,8 @@ def known_bad(tensor_parallel_size: int | None) -> list[Finding]:
     return findings
 
 
-def _activation(environ: Mapping[str, str], load: bool,
-                registered: bool) -> tuple[_runtime.Activation | None, list[Finding], str]:
+def _activation(environ: Mapping[str, str], load: bool, registered: bool,
+                version: str) -> tuple[_runtime.Activation | None, list[Finding], str]:
     """(the activation, findings, how it was obtained) for this Python."""
     activation = _runtime.current()
     if activation is not None:
@@ -134,7 +134,7 @@ def _activation(environ: Mapping[str, str], load: bool,
             return _runtime.Activation(None, [], disabled=True), findings, "plan"
         ids = _runtime.selected_ids(series, environ)
         release = _runtime.release_of(
-            installed_version("vllm") or "", series,
+            version, series,
             _runtime.env_flag(environ, _runtime.ENV_ALLOW_UNSUPPORTED))
     except UserError as exc:
         level = BAD if registered else WARN
@@ -149,9 +149,13 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
     environ = os.environ if environ is None else environ
     series = _series.load()
     lines = [f"Python {sys.version.split()[0]} ({sys.executable})"]
-    vllm = installed_version("vllm")
+    vllm = _runtime.installed_vllm()
     registered = plugin_registered()
-    lines.append(f"vLLM: {vllm or 'not installed'}")
+    if vllm is None:
+        lines.append("vLLM: not installed")
+    else:
+        name, version = vllm
+        lines.append(f"vLLM: {version}" + (f" (distribution {name})" if name != "vllm" else ""))
     for bad in KNOWN_BAD:
         lines.append(f"{bad.package}: {installed_version(bad.package) or 'not installed'}")
     lines.append(f"tensor parallelism: "
@@ -165,7 +169,7 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
     lines.append("environment: " + (", ".join(variables) or "no VLLM_PATCHES_* or VLLM_PLUGINS"))
     findings: list[Finding] = []
     if vllm is not None:
-        activation, found, how = _activation(environ, load, registered)
+        activation, found, how = _activation(environ, load, registered, vllm[1])
         findings += found
         if activation is not None and activation.disabled:
             findings.append(Finding(WARN, f"{_runtime.ENV_DISABLE} is set: no fix is active"))

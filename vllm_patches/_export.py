@@ -23,17 +23,15 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _git, _patches, _releases, _series
-from vllm_patches._checkout import Checkout
+from vllm_patches import _git, _plan, _releases, _series
+from vllm_patches._checkout import Checkout, git_am
 from vllm_patches._errors import Refused, UserError
-from vllm_patches._git import GitError
+from vllm_patches._patchset import PatchSet
 from vllm_patches._series import Fix, Series
 
 # Plain `git am` strips the subject's [Bugfix][NIXL] tags along with [PATCH k/n].
 GIT_AM = "git am --keep-non-patch"
 COVER_FILE = "pr-description.md"
-# State files of a git operation in progress: git am, rebase, merge, cherry-pick, revert.
-IN_PROGRESS = ("rebase-apply", "rebase-merge", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD")
 
 
 @dataclass(frozen=True)
@@ -130,22 +128,9 @@ def commit_message(fix: Fix) -> str:
     return "\n\n".join([fix.title, f"Why:\n{fix.why}", f"How:\n{fix.how}"]) + "\n"
 
 
-def _release_patch(release: Version, fix: Fix) -> Path:
-    for path in _patches.series_patches(release):
-        if path.name.endswith(f"-{fix.name}.patch"):
-            return path
-    raise UserError(f"patches/v{release} has no patch for {fix.id}; run `vllm-patches regen`")
-
-
-def _git_reason(stderr: str) -> str:
-    """git apply's reason on one line: its errors, or the files a 3-way merge left
-    conflicted (those it reports as ``U path``)."""
-    lines = stderr.strip().splitlines()
-    reasons = [line.removeprefix("error: ") for line in lines if line.startswith("error:")]
-    conflicted = [line[2:] for line in lines if line.startswith("U ")]
-    if conflicted:
-        reasons.append("3-way merge conflicts in " + ", ".join(conflicted))
-    return "; ".join(reasons or lines)
+def _release_patches(series: Series, release: Version) -> dict[str, Path]:
+    """The committed patch of each fix ``release`` needs, by fix id."""
+    return {patch.fix.id: patch.path for patch in PatchSet.load(series, release).patches}
 
 
 def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Identity,
@@ -168,6 +153,7 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Iden
     else:
         upstream = _releases.upstream_commit(repo)
         base_text = f"vLLM v{release}" + (f" (upstream commit {upstream})" if upstream else "")
+    release_patches = _release_patches(series, release)
     steps: list[Step] = []
     patches: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -179,7 +165,7 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Iden
             if blocked_by is not None:
                 steps.append(Step(number, len(fixes), each, blocked_by=blocked_by))
                 continue
-            error = _add_fix(repo, env, base, each, _release_patch(release, each), three_way)
+            error = _add_fix(repo, env, base, each, release_patches[each.id], three_way)
             steps.append(Step(number, len(fixes), each, error))
             if error is not None:
                 blocked_by = each.id
@@ -204,7 +190,7 @@ def _add_fix(repo: Path, env: dict[str, str], base: str, fix: Fix, patch: Path,
     proc = _git.run(repo, "apply", "--cached", *(["--3way"] if three_way else []), str(patch),
                     env=env, check=False)
     if proc.returncode != 0:
-        return _git_reason(proc.stderr)
+        return _git.reason(proc.stderr)
     if _git.run(repo, "write-tree", env=env).stdout.strip() == before:
         # A 3-way merge of a change the base already has succeeds and changes nothing.
         return "changes nothing: the base has it already"
@@ -251,33 +237,18 @@ def cover_text(export: Export) -> str:
     return "\n".join([*overview, "", *claims, "", *validation, "", *details]) + "\n"
 
 
-def _refuse_unready(checkout: Path, touched: list[str]) -> None:
+def _refuse_unready(checkout: Checkout, touched: list[str]) -> None:
     """Refuse what git am would trip over or take with it; the checkout stays as it is."""
-    for name in IN_PROGRESS:
-        state = _git.run(checkout, "rev-parse", "--git-path", name).stdout.strip()
-        if (checkout / state).exists():
-            raise Refused(f"{checkout}: a git operation is in progress ({state}); finish or "
-                          "abort it first")
-    if _git.run(checkout, "diff", "--cached", "--quiet", check=False).returncode != 0:
-        raise Refused(f"{checkout}: the index has staged changes; git am needs it clean")
-    dirty = _git.run(checkout, "status", "--porcelain", "-uall", "--", *touched).stdout
+    busy = checkout.operation_in_progress()
+    if busy:
+        raise Refused(busy)
+    if _git.run(checkout.path, "diff", "--cached", "--quiet", check=False).returncode != 0:
+        raise Refused(f"{checkout.path}: the index has staged changes; git am needs it clean")
+    dirty = _git.run(checkout.path, "status", "--porcelain", "-uall", "--", *touched).stdout
     if dirty.strip():
         files = ", ".join(line[3:] for line in dirty.splitlines())
-        raise Refused(f"{checkout}: local changes or untracked files where the series "
+        raise Refused(f"{checkout.path}: local changes or untracked files where the series "
                       f"writes: {files}")
-
-
-def _am(checkout: Path, directory: Path, export: Export) -> None:
-    """git am the series onto the checkout's branch; on failure, back to where it was."""
-    start = _git.head(checkout)
-    files = [str(directory / name) for name, _ in export.patches]
-    try:
-        _git.run(checkout, "am", "--quiet", "--keep-non-patch", *files)
-    except GitError:
-        _git.run(checkout, "am", "--abort", check=False)
-        if _git.head(checkout) != start:
-            _git.run(checkout, "reset", "--quiet", "--keep", start)
-        raise
 
 
 def _write(export: Export, directory: Path) -> list[Path]:
@@ -293,10 +264,10 @@ def _write(export: Export, directory: Path) -> list[Path]:
 
 
 def _newest_release_with(series: Series, fix: Fix) -> Version:
-    for release in sorted(series.releases, reverse=True):
+    for release in reversed(series.covered):
         if fix.verdict(release) is None:
             return release
-    raise UserError(f"{fix.id} has no patch for any supported release")
+    raise UserError(f"{fix.id} has no patch for any covered release")
 
 
 def command(series: Series, fix_id: str, release: Version | None, onto: str | None,
@@ -308,31 +279,39 @@ def command(series: Series, fix_id: str, release: Version | None, onto: str | No
             raise UserError("--3way and --check go with --onto CHECKOUT")
         identity = Identity.of(Path.cwd())  # before any download: refuse early
         release = release or _newest_release_with(series, fix)
-        series.require_supported(release)
+        series.require_covered(release)
         export = build(series, fix, release, _releases.fetch(release), identity)
         return _report(export, output, to_stdout=output is None)
 
-    path, note = Path(onto), None
+    checkout = Checkout.open(Path(onto))  # refuses what is not a vLLM git checkout
+    note = None
     if release is None:
-        try:
-            release = _releases.detect_release(path)
-        except UserError:  # a main clone: no vllm/_version.py, no release tag at HEAD
-            release = _newest_release_with(series, fix)
-            note = (f"no release detected (a main clone?); using the v{release} patches "
-                    "(--release to choose)")
-    checkout = Checkout(path, release, series)  # refuses what is not a vLLM git checkout
-    identity = Identity.of(checkout.path)
+        found = _releases.identify(checkout.path)
+        release = found.release
+        if release is None:
+            # A main clone or a development build: the patches of the covered release
+            # whose files it shares most (git merges where it moved on, with --3way).
+            nearest, evidence = _plan.nearest_release(checkout, series, found.hint)
+            release = nearest if fix.verdict(nearest) is None else _newest_release_with(
+                series, fix)
+            note = (f"{found.why}; using the v{release} patches ({evidence}; --release "
+                    "to choose)")
+    series.require_covered(release)
+    contributor = Identity.of(checkout.path)
     if note:
         print(f"{checkout.path}: {note}")
-    export = build(series, fix, release, checkout.path, identity, three_way=three_way, onto=True)
-    _refuse_unready(checkout.path, export.touched())
+    export = build(series, fix, release, checkout.path, contributor, three_way=three_way,
+                   onto=True)
+    _refuse_unready(checkout, export.touched())
     _report(export, output, to_stdout=False)
     if check:
         print(f"check passed: the series applies onto {checkout.path}")
         return 0
     with tempfile.TemporaryDirectory() as scratch:
-        _write(export, Path(scratch) / "series")
-        _am(checkout.path, Path(scratch) / "series", export)
+        written = _write(export, Path(scratch) / "series")
+        git_am(checkout, ["am", "--quiet", "--keep-non-patch",
+                          *(str(path) for path in written if path.suffix == ".patch")],
+               contributor.env())
     branch = _git.run(checkout.path, "branch", "--show-current").stdout.strip() or "HEAD"
     print(f"applied onto {checkout.path} ({branch}): {len(export.patches)} commit(s), "
           "signed off; the PR description:\n")

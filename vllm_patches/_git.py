@@ -30,6 +30,24 @@ def run(repo: Path, *args: str, env: dict[str, str] | None = None, check: bool =
     return proc
 
 
+def reason(stderr: str) -> str:
+    """git apply's or am's reason on one line: its errors, or the files a 3-way merge left
+    conflicted (those it reports as ``U path``)."""
+    lines = stderr.strip().splitlines()
+    reasons = [line.removeprefix("error: ") for line in lines if line.startswith("error:")]
+    conflicted = [line[2:] for line in lines if line.startswith("U ")]
+    if conflicted:
+        reasons.append("3-way merge conflicts in " + ", ".join(conflicted))
+    return "; ".join(reasons or lines)
+
+
+# For output that must not depend on who runs git: the user's and the system's
+# configuration (diff.noprefix, format.signature, diff.renames, ...) stay out.
+ISOLATED_ENV = {"GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+# Read-only calls (status) must not refresh and rewrite the user's index.
+READ_ONLY_ENV = {"GIT_OPTIONAL_LOCKS": "0"}
+
+
 def objects_dir(repo: Path) -> Path:
     """The repository's object store (shared by all its worktrees)."""
     return repo / run(repo, "rev-parse", "--git-path", "objects").stdout.strip()
@@ -70,8 +88,8 @@ def init_release_repo(tree: Path, tag: str, commit_env: dict[str, str]) -> None:
     ``add -f``: vLLM's ``.gitignore`` matches files the release ships (``*_hip*``);
     without it they would be left out and a later clean would delete them.
     """
-    run(tree, "init", "-q", "-b", "main")
-    run(tree, "add", "-A", "-f")
-    run(tree, "-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "-m",
-        f"vLLM {tag} (source archive)", env=commit_env)
-    run(tree, "tag", tag)
+    env = {**ISOLATED_ENV, **commit_env}  # the same commit id on every machine
+    run(tree, "init", "-q", "-b", "main", env=env)
+    run(tree, "add", "-A", "-f", env=env)
+    run(tree, "commit", "-q", "--no-verify", "-m", f"vLLM {tag} (source archive)", env=env)
+    run(tree, "tag", tag, env=env)

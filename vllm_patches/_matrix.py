@@ -1,13 +1,15 @@
-"""The compatibility matrix: for every release the series spans, what each fix is there.
+"""The compatibility matrix: for every release the series covers, what each fix is there.
 
 A cell is ``patch`` (the fix's patch is generated from the overlays against that
 release's tree, on top of the fixes before it, and passes the same checks as
 ``regen``), ``upstream``, ``n/a`` (the release does not need it), ``conflict`` (the
 overlays do not splice: a missing definition or file, unformatted output) or ``no
 variant`` (the release needs the fix, but no overlay variant's range holds it).
-The releases are those with a source archive on the index within the supported
-range (``_runtime.supported_releases``), so the matrix also says what runtime
-activation will do on each release it accepts.
+The rows are the covered releases (``series.toml``): every release with a source
+archive on the index within the supported range (``_runtime.supported_releases``), so
+the matrix also says what runtime activation does on each release it accepts. A
+release of that range on the index that the list lacks is reported (a new patch
+release: cover it).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _patches, _releases, _runtime
+from vllm_patches import _patches, _progress, _releases, _runtime
 from vllm_patches._errors import UserError
-from vllm_patches._series import Fix, Series
+from vllm_patches._series import Fix, Series, describe_releases
 
 PATCH = "patch"
 UPSTREAM = "upstream"
@@ -66,7 +68,7 @@ def row(series: Series, release: Version, tree: Path) -> Row:
             cells[fix.id] = Cell(UPSTREAM, f"since v{fix.upstream_since}")
         elif release not in fix.releases:
             cells[fix.id] = Cell(NOT_APPLICABLE,
-                                 f"needed on {_runtime.describe_releases(fix.releases)}")
+                                 f"needed on {describe_releases(fix.releases)}")
     needed = series.applicable(release)
     try:
         _patches.generate(series, release, tree)
@@ -76,19 +78,24 @@ def row(series: Series, release: Version, tree: Path) -> Row:
         clean: list[Fix] = []
         for fix in needed:
             try:
-                _patches.generate(Series((*clean, fix), series.releases), release, tree)
+                _patches.generate(Series((*clean, fix), series.lanes, series.covered), release,
+                                  tree)
             except UserError as exc:
                 cells[fix.id] = _failure(exc)
                 continue
             clean.append(fix)
             cells[fix.id] = Cell(PATCH)
     return Row(release, {fix.id: cells[fix.id] for fix in series.fixes},
-               release in series.releases)
+               release in series.lanes)
 
 
 def compute(series: Series, releases: list[Version]) -> list[Row]:
     """Rows for ``releases``, fetching (or reusing the cached) source of each."""
-    return [row(series, release, _releases.fetch(release)) for release in releases]
+    rows = []
+    for number, release in enumerate(releases, start=1):
+        with _progress.step(f"matrix v{release} ({number}/{len(releases)})"):
+            rows.append(row(series, release, _releases.fetch(release)))
+    return rows
 
 
 def render_row(row_: Row) -> str:
@@ -102,8 +109,9 @@ def render_notes(row_: Row) -> list[str]:
             for fix_id, cell in row_.cells.items() if cell.state in PROBLEMS]
 
 
-def render(series: Series, rows: list[Row]) -> str:
-    """The matrix as a Markdown table, a legend per fix, and the problems."""
+def render(series: Series, rows: list[Row], uncovered: list[Version] = ()) -> str:
+    """The matrix as a Markdown table, a legend per fix, and the problems (``uncovered``:
+    releases of the range on the index that the series does not cover)."""
     header = "| vLLM | " + " | ".join(f.id for f in series.fixes) + " |"
     lines = [header, "|---" * (len(series.fixes) + 1) + "|"]
     lines += [render_row(r) for r in rows]
@@ -111,8 +119,10 @@ def render(series: Series, rows: list[Row]) -> str:
     for fix in series.fixes:
         upstream = f"; upstream since v{fix.upstream_since}" if fix.upstream_since else ""
         lines.append(f"- {fix.id} `{fix.slug}`: needed on vLLM "
-                     f"{_runtime.describe_releases(fix.releases)}{upstream}")
+                     f"{describe_releases(fix.releases)}{upstream}")
     notes = [note for r in rows for note in render_notes(r)]
+    notes += [f"- v{release} is on the package index but not covered: add it to `covered` in "
+              "series.toml and run `vllm-patches regen`" for release in uncovered]
     if notes:
         lines += ["", "Problems:", *notes]
     return "\n".join(lines) + "\n"
@@ -120,12 +130,16 @@ def render(series: Series, rows: list[Row]) -> str:
 
 def readme_section(series: Series, rows: list[Row]) -> str:
     """The generated README section, markers included."""
-    intro = (f"Every release {_runtime.describe_range(series)} with a source archive (generated "
-             "by `vllm-patches matrix --write-readme`; do not edit): `patch` means the fix's "
-             "patch is generated from the overlays against that release and applies cleanly "
-             "(lanes also run the tests), `upstream` that the release has the fix, `n/a` that "
-             "it does not need it. Runtime activation accepts exactly these releases.")
-    return f"{README_BEGIN}\n{textwrap.fill(intro, 92)}\n\n{render(series, rows)}{README_END}"
+    intro = (f"Every release the series covers, {series.describe_covered()}: each with a source "
+             "archive on the package index (generated by `vllm-patches matrix --write-readme`; "
+             "do not edit). `patch` means the fix's patch is generated from the overlays "
+             "against that release, committed in `patches/vX.Y.Z/` and applies cleanly (lanes "
+             "also run the tests), `upstream` that the release has the fix, `n/a` that it does "
+             "not need it. `status`, `apply`, `revert` and `export` accept exactly these releases; "
+             "runtime activation accepts their range, and `vllm-patches matrix` reports a "
+             "release of the range that the list lacks.")
+    return (f"{README_BEGIN}\n{textwrap.fill(intro, 92, break_on_hyphens=False)}\n\n"
+            f"{render(series, rows)}{README_END}")
 
 
 SECTION = re.compile(re.escape(README_BEGIN) + r"(.*?)" + re.escape(README_END), re.DOTALL)

@@ -17,13 +17,12 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _git, _releases, _series
+from vllm_patches import _git, _patchset, _releases, _series
 from vllm_patches._errors import UserError
+from vllm_patches._patchset import PATCH_AUTHOR_EMAIL, PATCH_AUTHOR_NAME
 from vllm_patches._series import Fix, Series
 from vllm_patches._splice import Overlay, splice
 
-PATCH_AUTHOR_NAME = "vllm-patches maintainers"
-PATCH_AUTHOR_EMAIL = "vllm-patches@users.noreply.github.com"
 # A fixed date keeps regenerated patches byte-identical.
 PATCH_DATE = "2026-11-22T00:00:00Z"
 PATCH_COMMIT_ENV = {
@@ -34,9 +33,6 @@ PATCH_COMMIT_ENV = {
     "GIT_AUTHOR_DATE": PATCH_DATE,
     "GIT_COMMITTER_DATE": PATCH_DATE,
 }
-SERIES_FILE = "series"
-
-
 @dataclass(frozen=True)
 class ReleasePatch:
     """The generated patch of one fix for one release."""
@@ -47,17 +43,7 @@ class ReleasePatch:
 
     @property
     def filename(self) -> str:
-        return f"{self.number:04d}-{self.fix.name}.patch"
-
-
-def patches_dir() -> Path:
-    """Where the committed patches are: inside the package when installed from a wheel."""
-    bundled = _series.PACKAGE_DIR / "patches"
-    return bundled if bundled.is_dir() else _series.PATCHES_DIR
-
-
-def release_dir(release: Version) -> Path:
-    return patches_dir() / f"v{release}"
+        return _patchset.patch_filename(self.number, self.fix)
 
 
 def commit_message(fix: Fix, release: Version, upstream_commit: str | None) -> str:
@@ -104,9 +90,11 @@ def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -
 def _ruff(tree: Path, upstream_path: str, source: str, *args: str) -> subprocess.CompletedProcess:
     """Run ruff on ``source`` as if it were ``tree``'s file ``upstream_path`` (its config)."""
     if importlib.util.find_spec("ruff") is None:
-        raise UserError("regen needs ruff for the spliced files: pip install 'vllm-patches[dev]'")
+        raise UserError("regen and matrix need ruff, from the dev extras: in a vllm-patches "
+                        "clone, python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'")
     return subprocess.run(
-        [sys.executable, "-m", "ruff", *args, "--stdin-filename", upstream_path, "-"],
+        # --no-cache: never write .ruff_cache into the tree (the tool's pristine cache).
+        [sys.executable, "-m", "ruff", *args, "--no-cache", "--stdin-filename", upstream_path, "-"],
         cwd=tree,
         input=source,
         capture_output=True,
@@ -141,39 +129,46 @@ def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]
     """The patches of ``release``, generated from the overlays against ``tree``.
 
     ``tree`` is a git checkout whose HEAD is the pristine release (what ``fetch`` makes).
+    The commits are built in a scratch index and a scratch object store (the checkout's
+    own objects are read through it as an alternate), so ``tree`` is never written: it
+    is the tool's cache, which only ``fetch`` changes. One ``format-patch`` of the whole
+    range numbers them ``[PATCH k/n]``.
     """
     base = _git.head(tree)
     upstream_commit = _releases.upstream_commit(tree)
-    patches: list[ReleasePatch] = []
+    applicable = series.applicable(release)
     with tempfile.TemporaryDirectory() as scratch:
-        env = {**PATCH_COMMIT_ENV, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        env = {**PATCH_COMMIT_ENV, **_git.ISOLATED_ENV, **_git.scratch_env(tree, Path(scratch))}
         _git.run(tree, "read-tree", base, env=env)
         parent = base
-        applicable = series.applicable(release)
         for number, fix in enumerate(applicable, start=1):
             sources = spliced_sources(tree, base, applicable[:number], release)
             for upstream_path, source in sources.items():
                 check_formatted(tree, upstream_path, source)
-                blob = _git.run(tree, "hash-object", "-w", "--stdin", input=source).stdout.strip()
+                blob = _git.run(tree, "hash-object", "-w", "--stdin", input=source,
+                                env=env).stdout.strip()
                 _git.run(tree, "update-index", "--cacheinfo", f"100644,{blob},{upstream_path}",
                          env=env)
             written = _git.run(tree, "write-tree", env=env).stdout.strip()
-            if written == _git.run(tree, "rev-parse", f"{parent}^{{tree}}").stdout.strip():
+            if written == _git.run(tree, "rev-parse", f"{parent}^{{tree}}", env=env).stdout.strip():
                 raise UserError(f"{fix.id} changes nothing on v{release}: no overlay variant holds it")
             message = commit_message(fix, release, upstream_commit)
             parent = _git.run(tree, "commit-tree", written, "-p", parent, "-F", "-",
                               env=env, input=message).stdout.strip()
-            text = _git.run(tree, "format-patch", "-1", parent, "--stdout", "--zero-commit",
-                            "--no-signature", "--full-index", f"--start-number={number}",
-                            "--numbered" if len(applicable) > 1 else "--no-numbered",
-                            env=env).stdout
-            patches.append(ReleasePatch(fix, number, text))
-    return patches
+        if not applicable:
+            return []
+        out = Path(scratch) / "out"
+        _git.run(tree, "format-patch", f"{base}..{parent}", "-o", str(out), "--zero-commit",
+                 "--no-signature", "--full-index",
+                 "--numbered" if len(applicable) > 1 else "--no-numbered", env=env)
+        texts = [path.read_text() for path in sorted(out.iterdir())]
+    return [ReleasePatch(fix, number, text)
+            for number, (fix, text) in enumerate(zip(applicable, texts, strict=True), start=1)]
 
 
 def series_file(series: Series, release: Version, patches: list[ReleasePatch]) -> str:
     """quilt's series file: the patches in order; fixes not applied are comments saying why."""
-    lines = [f"# vllm-patches series for vLLM v{release}; generated, do not edit."]
+    lines = [f"{_patchset.SERIES_HEADER} vLLM v{release}; generated, do not edit."]
     by_fix = {patch.fix.id: patch for patch in patches}
     for fix in series.fixes:
         if fix.id in by_fix:
@@ -187,19 +182,5 @@ def render(series: Series, release: Version, tree: Path) -> dict[str, str]:
     """File name -> content of ``patches/v<release>/``."""
     patches = generate(series, release, tree)
     files = {patch.filename: patch.text for patch in patches}
-    files[SERIES_FILE] = series_file(series, release, patches)
+    files[_patchset.SERIES_FILE] = series_file(series, release, patches)
     return files
-
-
-def committed(release: Version) -> dict[str, str]:
-    directory = release_dir(release)
-    if not directory.is_dir():
-        return {}
-    return {path.name: path.read_text() for path in sorted(directory.iterdir())}
-
-
-def series_patches(release: Version) -> list[Path]:
-    """The committed patch files of ``release``, in series order."""
-    directory = release_dir(release)
-    lines = (directory / SERIES_FILE).read_text().splitlines()
-    return [directory / line for line in lines if line and not line.startswith("#")]

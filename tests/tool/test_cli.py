@@ -6,13 +6,19 @@ from pathlib import Path
 import pytest
 from conftest import git, snapshot
 
-from vllm_patches import _patches, _series
+from vllm_patches import _series
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED, main
 
 SERIES = _series.load()
 RELEASE = _series.Version("0.21.0")
+# The committed patches of RELEASE in order, as quilt's series file lists them.
+PATCHES = [_series.PATCHES_DIR / f"v{RELEASE}" / line for line in
+           (_series.PATCHES_DIR / f"v{RELEASE}" / "series").read_text().splitlines()
+           if line and not line.startswith("#")]
 
 COORDINATOR = "vllm/v1/core/kv_cache_coordinator.py"
+# A context line of F1's first hunk in the coordinator (not a line F1 changes).
+CONTEXT_LINE = "            num_local_computed_tokens: The number of local computed tokens."
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -51,15 +57,45 @@ def test_apply_commits_the_series_and_revert_undoes_it(checkout, capsys):
 
 def test_apply_no_commit_changes_only_the_work_tree(checkout, capsys):
     head = git(checkout, "rev-parse", "HEAD")
+    index = git(checkout, "ls-files", "--stage")
     code, _, _ = run(capsys, "apply", "--no-commit", str(checkout))
     assert code == EXIT_OK
     assert git(checkout, "rev-parse", "HEAD") == head
+    assert git(checkout, "ls-files", "--stage") == index
     assert COORDINATOR in git(checkout, "status", "--porcelain")
-    # Local changes in touched files: a second apply is refused, not re-applied.
+    # The series is in the work tree: a committing apply is refused, not re-applied.
     before = snapshot(checkout)
     code, _, err = run(capsys, "apply", str(checkout))
-    assert code == EXIT_REFUSED and "uncommitted changes" in err
+    assert code == EXIT_REFUSED and "applied in the work tree but not committed" in err
+    assert "revert --no-commit" in err
     assert snapshot(checkout) == before
+
+
+def test_no_commit_apply_is_seen_by_status_and_undone_by_no_commit_revert(checkout, capsys):
+    """Issue 11, item 4: after `apply --no-commit`, status and apply said "applicable"
+    and `revert --no-commit` refused (uncommitted changes)."""
+    code, out, _ = run(capsys, "apply", "--no-commit", str(checkout))
+    assert code == EXIT_OK
+    assert "applicable" not in out and out.count("applied, not committed") == len(PATCHES)
+    code, out, _ = run(capsys, "status", str(checkout))
+    assert code == EXIT_OK and out.count("applied, not committed") == len(PATCHES)
+    code, out, _ = run(capsys, "apply", "--no-commit", str(checkout))
+    assert code == EXIT_OK and "nothing to apply" in out
+    code, out, _ = run(capsys, "revert", "--no-commit", str(checkout))
+    assert code == EXIT_OK, out
+    assert git(checkout, "status", "--porcelain") == ""
+    code, out, _ = run(capsys, "status", str(checkout))
+    assert out.count("applicable") == len(PATCHES)
+    # The other way round: committed, then reverted in the work tree only.
+    assert run(capsys, "apply", str(checkout))[0] == EXIT_OK
+    code, out, _ = run(capsys, "revert", "--no-commit", str(checkout))
+    assert code == EXIT_OK and out.count("reverted, not committed") == len(PATCHES)
+    before = snapshot(checkout)
+    code, _, err = run(capsys, "revert", str(checkout))
+    assert code == EXIT_REFUSED and "reverted in the work tree but not committed" in err
+    assert snapshot(checkout) == before
+    code, out, _ = run(capsys, "apply", "--no-commit", str(checkout))
+    assert code == EXIT_OK and git(checkout, "status", "--porcelain") == ""
 
 
 def test_check_modes_change_nothing(checkout, capsys):
@@ -83,25 +119,83 @@ def test_conflicting_local_commit_is_reported_and_refused(checkout, capsys):
     assert code == EXIT_REFUSED
     assert "conflict" in out and COORDINATOR in out
     for argv in (["apply", str(checkout)], ["apply", "--no-commit", str(checkout)],
-                 ["apply", "--3way", str(checkout)]):
+                 ["apply", "--3way", str(checkout)], ["apply", "--3way", "--no-commit",
+                                                       str(checkout)]):
         code, _, err = run(capsys, *argv)
         assert code == EXIT_REFUSED, argv
         assert "F1 conflicts" in err
         assert snapshot(checkout) == before
+    code, _, err = run(capsys, "apply", "--3way", str(checkout))
+    assert "a 3-way merge conflicts in " + COORDINATOR in err
 
 
-def test_half_applied_series_is_refused(checkout, capsys):
-    first, *rest = _patches.series_patches(RELEASE)
-    assert rest, "needs a lane with two or more patches"
-    git(checkout, "am", "--quiet", "--keep-non-patch", str(first))
+def test_a_half_applied_series_is_finished_by_apply_and_undone_by_revert(checkout, capsys):
+    """Issue 11, item 5: apply, apply --3way and revert all refused a half-applied series
+    ("revert the applied fixes or finish them by hand first"): a dead end."""
+    first, second, *rest = PATCHES
+    base = git(checkout, "rev-parse", "HEAD").strip()
+    git(checkout, "am", "--quiet", "--keep-non-patch", str(first), str(second))
     code, out, _ = run(capsys, "status", str(checkout))
     assert code == EXIT_OK
-    assert " applied" in out and "applicable" in out
+    assert out.count(" applied") == 2 and out.count("applicable") == len(rest)
+    code, out, _ = run(capsys, "revert", "--check", str(checkout))
+    assert code == EXIT_OK and "F1, F2 reverts cleanly" in out
+    code, out, _ = run(capsys, "apply", str(checkout))
+    assert code == EXIT_OK and "done: F3, F4" in out
+    assert out.count(" applied") == len(PATCHES)
+    # Half-applied the other way: revert undoes exactly the applied prefix.
+    git(checkout, "reset", "--quiet", "--hard", base)
+    git(checkout, "am", "--quiet", "--keep-non-patch", str(first))
+    code, out, _ = run(capsys, "revert", str(checkout))
+    assert code == EXIT_OK and "done: F1" in out
+    assert git(checkout, "diff", base, "HEAD") == ""
+
+
+def test_apply_3way_merges_where_a_context_line_was_edited(checkout, capsys):
+    """Issue 11, item 1: the pre-check refused every patch that needs a 3-way merge, so
+    `apply --3way` never merged ("F1 conflicts") where plain `git am -3` applies all four."""
+    path = checkout / COORDINATOR
+    assert CONTEXT_LINE in path.read_text()
+    path.write_text(path.read_text().replace(CONTEXT_LINE, CONTEXT_LINE.replace(
+        "local computed", "locally computed")))
+    git(checkout, "commit", "-qam", "edit a context line of F1's hunk")
+    edited = git(checkout, "rev-parse", "HEAD").strip()
     before = snapshot(checkout)
-    for verb in ("apply", "revert"):
-        code, _, err = run(capsys, verb, str(checkout))
-        assert code == EXIT_REFUSED and "half-applied" in err, verb
-        assert snapshot(checkout) == before
+    code, out, _ = run(capsys, "status", str(checkout))
+    assert code == EXIT_REFUSED and "it merges with --3way" in out
+    code, _, err = run(capsys, "apply", str(checkout))
+    assert code == EXIT_REFUSED and "F1 conflicts" in err and "merges with --3way" in err
+    assert snapshot(checkout) == before
+    code, out, _ = run(capsys, "apply", "--3way", "--check", str(checkout))
+    assert code == EXIT_OK and "by a 3-way merge" in out
+    assert snapshot(checkout) == before
+
+    code, out, err = run(capsys, "apply", "--3way", str(checkout))
+    assert code == EXIT_OK, err
+    subjects = git(checkout, "log", "--format=%s", f"{edited}..HEAD").splitlines()
+    assert subjects[::-1] == [fix.title for fix in SERIES.applicable(RELEASE)]
+    text = path.read_text()
+    assert "locally computed" in text and "in two phases over all groups" in text
+    code, out, _ = run(capsys, "status", str(checkout))
+    assert code == EXIT_OK and out.count(" applied") == len(PATCHES)
+    code, out, _ = run(capsys, "apply", str(checkout))
+    assert code == EXIT_OK and "nothing to apply" in out
+    code, out, _ = run(capsys, "revert", str(checkout))
+    assert code == EXIT_OK, out
+    assert git(checkout, "diff", edited, "HEAD") == ""
+
+
+def test_apply_3way_in_the_work_tree_leaves_the_index_alone(checkout, capsys):
+    path = checkout / COORDINATOR
+    path.write_text(path.read_text().replace(CONTEXT_LINE, CONTEXT_LINE + "  "))
+    git(checkout, "commit", "-qam", "trailing blanks on a context line")
+    index = git(checkout, "ls-files", "--stage")
+    code, out, _ = run(capsys, "apply", "--3way", "--no-commit", str(checkout))
+    assert code == EXIT_OK, out
+    assert git(checkout, "ls-files", "--stage") == index
+    assert out.count("applied, not committed") == len(PATCHES)
+    code, out, _ = run(capsys, "revert", "--no-commit", str(checkout))
+    assert code == EXIT_OK and git(checkout, "status", "--porcelain") == ""
 
 
 def test_failed_git_am_is_rolled_back(checkout, capsys, monkeypatch):
@@ -123,6 +217,29 @@ def test_failed_git_am_is_rolled_back(checkout, capsys, monkeypatch):
     monkeypatch.undo()
     assert snapshot(checkout) == before
     assert not (checkout / ".git" / "rebase-apply").exists()
+
+
+def test_failed_revert_commit_is_rolled_back(checkout, capsys, monkeypatch):
+    from vllm_patches import _checkout
+
+    assert run(capsys, "apply", str(checkout))[0] == EXIT_OK
+    (checkout / "README.md").write_text("a local change the user keeps\n")
+    before = snapshot(checkout)
+    real_run = _checkout._git.run
+    commits = []
+
+    def failing_second_commit(repo, *args, **kwargs):
+        if args[:1] == ("commit",):
+            commits.append(args)
+            if len(commits) == 2:
+                raise _checkout.GitError("git commit failed (injected)")
+        return real_run(repo, *args, **kwargs)
+
+    monkeypatch.setattr(_checkout._git, "run", failing_second_commit)
+    code, _, err = run(capsys, "revert", str(checkout))
+    assert code == EXIT_REFUSED and "injected" in err
+    monkeypatch.undo()
+    assert snapshot(checkout) == before
 
 
 @pytest.mark.parametrize(
@@ -150,23 +267,40 @@ def test_not_a_vllm_tree(tmp_path, capsys):
     assert code == EXIT_BAD_INPUT and "not a vLLM source tree" in err
 
 
-def test_unsupported_and_unknown_releases(checkout, capsys):
+def test_uncovered_and_unknown_releases(checkout, capsys):
     before = snapshot(checkout)
-    code, _, err = run(capsys, "apply", "--release", "v0.20.1", str(checkout))
-    assert code == EXIT_BAD_INPUT and "not a supported release" in err and "v0.21.0" in err
+    code, _, err = run(capsys, "apply", "--release", "v0.17.0", str(checkout))
+    assert code == EXIT_BAD_INPUT and "not a release the series covers (v0.18.0 .. " in err
+    assert "it resembles v0.21.0" in err and "--release v0.21.0 --3way" in err
+    assert len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, "apply", "--release", "banana", str(checkout))
     assert code == EXIT_BAD_INPUT
+    assert err.startswith("vllm-patches apply: error: argument --release: not a vLLM release")
+    assert len(err.strip().splitlines()) == 1
     assert snapshot(checkout) == before
 
 
-def test_undetectable_release_asks_for_release(checkout, capsys):
+def test_undetectable_release_names_the_nearest_and_the_command(checkout, capsys):
     (checkout / "vllm" / "_version.py").unlink()
     git(checkout, "commit", "-qam", "drop version file")
     git(checkout, "tag", "-d", "v0.21.0")
     code, _, err = run(capsys, "status", str(checkout))
-    assert code == EXIT_BAD_INPUT and "pass --release" in err
+    assert code == EXIT_BAD_INPUT and "cannot tell which vLLM release this is" in err
+    assert "it resembles v0.21.0 (" in err
+    assert f"run `vllm-patches status --release v0.21.0 --3way {checkout}`" in err
+    assert len(err.strip().splitlines()) == 1
     code, out, _ = run(capsys, "status", "--release", "v0.21.0", str(checkout))
     assert code == EXIT_OK and "applicable" in out
+
+
+def test_a_development_build_names_the_release_before_it(checkout, capsys):
+    version = checkout / "vllm" / "_version.py"
+    version.write_text(version.read_text().replace("'0.21.0'", "'0.22.0.dev12+g1234abc'"))
+    git(checkout, "commit", "-qam", "a development build")
+    code, _, err = run(capsys, "apply", str(checkout))
+    assert code == EXIT_BAD_INPUT
+    assert "vLLM 0.22.0.dev12+g1234abc is a development build, not a release" in err
+    assert "it resembles v0.21.0" in err and "apply --release v0.21.0 --3way" in err
 
 
 def test_staged_changes_elsewhere_refuse_git_am(checkout, capsys):
@@ -186,8 +320,9 @@ def test_list_shows_the_series(capsys):
 
 
 def test_patches_are_fresh(capsys):
-    """patches/ equals what the overlays generate today (CI's freshness proof)."""
-    code, out, err = run(capsys, "regen", "--check")
+    """patches/ equals what the overlays generate today, for the default lane here;
+    tools/test.sh runs `regen --check` over every covered release."""
+    code, out, err = run(capsys, "regen", "--check", "--release", str(SERIES.default_release))
     assert code == EXIT_OK, err
 
 

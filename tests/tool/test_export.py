@@ -11,14 +11,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import git, snapshot
+from conftest import CONTRIBUTOR_EMAIL, CONTRIBUTOR_NAME, git, snapshot
 
 from vllm_patches import _export, _releases, _series
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED, main
+from vllm_patches._patchset import PatchSet
 
 SERIES = _series.load()
-NEWEST = max(SERIES.releases)
-NAME, EMAIL = "Ada Contributor", "ada@example.org"
+NEWEST = max(SERIES.lanes)
+NAME, EMAIL = CONTRIBUTOR_NAME, CONTRIBUTOR_EMAIL
 SIGN_OFF = f"Signed-off-by: {NAME} <{EMAIL}>"
 # A fix that needs another one, and the newest lane where that shows.
 DEPENDENT = next(fix for fix in SERIES.fixes if fix.requires and fix.verdict(NEWEST) is None)
@@ -31,21 +32,6 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
-
-
-@pytest.fixture
-def contributor(tmp_path, monkeypatch) -> Path:
-    """A contributor whose git identity is in a global config of their own."""
-    home = tmp_path / "home"
-    home.mkdir()
-    config = home / ".gitconfig"
-    config.write_text(f"[user]\n\tname = {NAME}\n\temail = {EMAIL}\n")
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
-    for variable in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME",
-                     "GIT_COMMITTER_EMAIL", "EMAIL"):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.chdir(home)
-    return home
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +74,7 @@ def subjects(repo: Path, since: str) -> list[str]:
     return git(repo, "log", "--reverse", "--format=%s", f"{since}..HEAD").splitlines()
 
 
-@pytest.mark.parametrize("release", SERIES.releases, ids=str)
+@pytest.mark.parametrize("release", SERIES.lanes, ids=str)
 def test_every_fix_exports_alone_with_what_it_requires(release, contributor):
     """Each fix's series applies on the pristine release by itself: its requirements
     (``requires``) are all it needs. Every patch holds the fix's tests."""
@@ -174,11 +160,11 @@ def test_onto_applies_signed_off_commits_on_the_branch(contributor, any_clone, c
     assert git(vllm_clone, "status", "--porcelain") == ""
     assert "## Overview" in out  # the PR description, ready to paste
     if not (vllm_clone / "vllm" / "_version.py").exists():
-        assert "no release detected" in out and f"v{NEWEST}" in out
+        assert f"using the v{NEWEST} patches" in out
 
 
 def release_patch(fix) -> Path:
-    return next(p for p in _export._patches.series_patches(NEWEST) if fix.name in p.name)
+    return next(p.path for p in PatchSet.load(SERIES, NEWEST).patches if p.fix == fix)
 
 
 def test_onto_a_conflict_is_reported_per_patch_and_changes_nothing(contributor, vllm_clone,

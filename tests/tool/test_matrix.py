@@ -1,11 +1,14 @@
 """The compatibility matrix, and README's generated section kept in sync with it."""
 
+import dataclasses
+
 import pytest
 from packaging.version import Version
 
 from vllm_patches import _cli, _matrix, _patches, _releases, _runtime, _series
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 from vllm_patches._errors import UserError
+from vllm_patches._patchset import PatchSet
 
 SERIES = _series.load()
 README = _series.REPO_DIR / "README.md"
@@ -16,36 +19,52 @@ def readme() -> str:
     return README.read_text()
 
 
-def test_readme_section_lists_every_release_of_the_range():
+def test_readme_section_lists_every_covered_release():
     rows = _matrix.readme_rows(readme())
-    listed = list(rows)
-    assert listed == sorted(listed), "oldest first"
-    assert all(release in SUPPORTED for release in listed)
-    lanes = sorted(SERIES.releases)
-    assert listed[0] == Version(f"{lanes[0].major}.{lanes[0].minor}.0")
-    assert listed[-1] == lanes[-1]
-    assert set(SERIES.releases) <= set(listed)
-    cached = _matrix.releases_in_range(SERIES, _releases.cached_releases())
-    assert set(cached) <= set(listed), "a fetched release of the range is missing from README"
+    assert list(rows) == list(SERIES.covered)
+    assert all(release in SUPPORTED for release in rows)
     for release, line in rows.items():
         assert line.endswith(" |") and line.count("|") == len(SERIES.fixes) + 2, line
-        assert ("(lane)" in line) == (release in SERIES.releases)
+        assert ("(lane)" in line) == (release in SERIES.lanes)
 
 
-def test_readme_section_matches_the_command_for_cached_releases():
-    """Recompute each row whose release is cached; the others need `vllm-patches fetch`."""
-    text = readme()
-    cached = set(_releases.cached_releases())
-    checked = 0
-    for release, line in _matrix.readme_rows(text).items():
-        if release not in cached:
-            continue
-        row = _matrix.row(SERIES, release, _releases.fetch(release))
-        assert _matrix.render_row(row) == line, "stale: run `vllm-patches matrix --write-readme`"
-        assert _matrix.render_notes(row) == _matrix.readme_notes(text, release)
-        checked += 1
-    if not checked:
-        pytest.skip("no release of the range is cached")
+def committed_row(release: Version) -> _matrix.Row:
+    """The row the committed patches give: `regen --check` (CI) proves they are what the
+    overlays generate, so README's rows follow from them without splicing again."""
+    patched = {patch.fix.id for patch in PatchSet.load(SERIES, release).patches}
+    cells = {}
+    for fix in SERIES.fixes:
+        if fix.is_upstream(release):
+            cells[fix.id] = _matrix.Cell(_matrix.UPSTREAM)
+        elif fix.id in patched:
+            cells[fix.id] = _matrix.Cell(_matrix.PATCH)
+        else:
+            cells[fix.id] = _matrix.Cell(_matrix.NOT_APPLICABLE)
+    return _matrix.Row(release, cells, release in SERIES.lanes)
+
+
+@pytest.mark.parametrize("release", SERIES.covered, ids=str)
+def test_readme_rows_match_the_committed_patches(release):
+    assert _matrix.readme_rows(readme())[release] == _matrix.render_row(committed_row(release)), \
+        "stale: run `vllm-patches matrix --write-readme`"
+    assert _matrix.readme_notes(readme(), release) == []
+
+
+def test_the_generated_row_of_the_default_lane_matches_the_committed_one(pristine_v0_21_0):
+    release = SERIES.default_release
+    row = _matrix.row(SERIES, release, _releases.fetch(release))
+    assert _matrix.render_row(row) == _matrix.render_row(committed_row(release))
+
+
+def test_a_release_of_the_range_that_is_not_covered_is_a_problem(capsys, monkeypatch):
+    newer = Version("0.21.1")
+    monkeypatch.setattr(_releases, "sdist_releases", lambda: [*SERIES.covered, newer,
+                                                              Version("0.99.0")])
+    monkeypatch.setattr(_matrix, "compute", lambda series, releases: [])
+    assert _cli.main(["matrix"]) == EXIT_REFUSED
+    out = capsys.readouterr().out
+    assert "- v0.21.1 is on the package index but not covered: add it to `covered`" in out
+    assert "v0.99.0" not in out
 
 
 def test_readme_legend_matches_the_series():
@@ -63,9 +82,9 @@ def test_cells_for_a_lane_and_an_upstream_release(pristine_v0_21_0):
 def test_a_fix_that_does_not_splice_is_a_conflict_and_later_fixes_still_get_a_cell(
         monkeypatch, pristine_v0_21_0):
     f1 = SERIES.fix("F1")
-    f2 = _series.Fix(**{**f1.__dict__, "id": "F2", "slug": "second"})
-    f3 = _series.Fix(**{**f1.__dict__, "id": "F3", "slug": "third"})
-    series = _series.Series((f1, f2, f3), SERIES.releases)
+    f2 = dataclasses.replace(f1, id="F2", slug="second")
+    f3 = dataclasses.replace(f1, id="F3", slug="third")
+    series = _series.Series((f1, f2, f3), SERIES.lanes)
 
     def generate(series_, release, tree):
         ids = [f.id for f in series_.fixes]
@@ -90,7 +109,7 @@ def test_a_fix_that_does_not_splice_is_a_conflict_and_later_fixes_still_get_a_ce
 def test_render_and_replace_section():
     rows = [_matrix.Row(Version("0.18.0"), {"F1": _matrix.Cell(_matrix.PATCH)}, False),
             _matrix.Row(Version("0.24.0"), {"F1": _matrix.Cell(_matrix.UPSTREAM, "since")}, True)]
-    series = _series.Series((SERIES.fix("F1"),), SERIES.releases)
+    series = _series.Series((SERIES.fix("F1"),), SERIES.lanes)
     section = _matrix.readme_section(series, rows)
     text = f"# x\n\nbefore\n\n{_matrix.README_BEGIN}\nold\n{_matrix.README_END}\n\nafter\n"
     replaced = _matrix.replace_section(text, section)

@@ -13,7 +13,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_patches import _runtime, _series
@@ -111,7 +110,7 @@ def new_helper():
 def make_fix(fix_id: str, overlays: list[str], releases: str = ">=0.18.0,<0.24.0",
              upstream_since: str | None = "0.24.0") -> Fix:
     return Fix(id=fix_id, slug=f"fake-{fix_id.lower()}", title="[Test] fake", what="w", why="w",
-               how="h", bug="", pr="", releases=SpecifierSet(releases),
+               how="h", bug="", pr="", releases_text=releases,
                upstream_since=Version(upstream_since) if upstream_since else None,
                future="f", overlays=tuple(overlays), tests=(), stock_fails=(), upstream_tests=(),
                deselect=())
@@ -600,7 +599,7 @@ def test_selection_by_environment():
 
 def test_supported_range_is_oldest_lane_series_to_newest_lane():
     supported = _runtime.supported_releases(SERIES)
-    lanes = sorted(SERIES.releases)
+    lanes = sorted(SERIES.lanes)
     assert Version(f"{lanes[0].major}.{lanes[0].minor}.0") in supported
     assert all(lane in supported for lane in lanes)
     assert Version(f"{lanes[-1].major}.{lanes[-1].minor + 1}.0") not in supported
@@ -692,7 +691,7 @@ def test_the_plugin_module_imports_without_libcst():
 
 
 @pytest.mark.parametrize("release", sorted({Version(f"0.{m}.0") for m in range(18, 34)}
-                                           | set(SERIES.releases)), ids=str)
+                                           | set(SERIES.lanes)), ids=str)
 def test_the_real_overlays_compile_for_every_supported_release(release):
     """What activation would execute on ``release``: selected, compiled, not run."""
     fixes = [s.fix for s in _runtime.plan(SERIES, release, [f.id for f in SERIES.fixes])

@@ -8,7 +8,8 @@ import libcst as cst
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _patches, _series
+from vllm_patches import _patchset, _series
+from vllm_patches._patchset import PatchSet
 from vllm_patches._splice import Overlay
 
 SERIES = _series.load()
@@ -91,18 +92,35 @@ def test_overlays_can_be_installed_onto_live_classes(path):
     assert not visitor.found, f"{path}: use super(UpstreamClass, self) instead"
 
 
-@pytest.mark.parametrize("release", SERIES.releases, ids=str)
-def test_each_lane_has_one_patch_per_needed_fix(release):
-    listed = _patches.series_patches(release)
+@pytest.mark.parametrize("release", SERIES.covered, ids=str)
+def test_each_covered_release_has_one_patch_per_needed_fix(release):
+    listed = [patch.path for patch in PatchSet.load(SERIES, release).patches]
     needed = SERIES.applicable(release)
     assert [p.name for p in listed] == [
         f"{n:04d}-{fix.name}.patch" for n, fix in enumerate(needed, start=1)]
     for path in listed:
         assert path.is_file()
-    text = (_patches.release_dir(release) / _patches.SERIES_FILE).read_text()
+    text = (_patchset.release_dir(release) / _patchset.SERIES_FILE).read_text()
     for fix in SERIES.fixes:
         if fix not in needed:
             assert f"# {fix.name}: {fix.verdict(release)}" in text
+
+
+def test_patches_dir_holds_exactly_the_covered_releases():
+    on_disk = sorted(p.name for p in _patchset.patches_dir().iterdir() if p.is_dir())
+    assert on_disk == sorted(f"v{release}" for release in SERIES.covered)
+
+
+def test_ranges_read_lower_bound_first_everywhere(capsys):
+    """Issue 11, item 10: `list` wrote <0.24.0,>=0.18.0 where README writes >=0.18.0,<0.24.0."""
+    from vllm_patches._cli import main
+
+    assert _series.describe_releases(SERIES.fix("F1").releases) == ">=0.18.0,<0.24.0"
+    main(["list"])
+    out = capsys.readouterr().out
+    assert "needed on vLLM >=0.18.0,<0.24.0;" in out and "<0.24.0,>=0.18.0" not in out
+    readme = (REPO / "README.md").read_text()
+    assert ">=0.18.0,<0.24.0" in readme and "<0.24.0,>=0.18.0" not in readme
 
 
 # Every release a fix's range or a deselect's range can name (vLLM is 0.x: 0.0.0 .. 0.99.9).
@@ -130,7 +148,7 @@ def test_with_requirements_follows_requirements_of_requirements():
     f1, f2, f3, f4 = FIXES[:4]
     chained = _series.Series(
         fixes=(f1, replace(f2, requires=("F1",)), replace(f3, requires=("F2",)), f4),
-        releases=SERIES.releases)
+        lanes=SERIES.lanes, covered=SERIES.covered)
     assert [f.id for f in chained.with_requirements(chained.fix("F3"))] == ["F1", "F2", "F3"]
     assert [f.id for f in SERIES.with_requirements(SERIES.fix("F3"))] == ["F2", "F3"]
     assert [f.id for f in SERIES.with_requirements(SERIES.fix("F4"))] == ["F4"]
@@ -196,3 +214,17 @@ why = "a 2.5 s limit on a busy machine"
     assert note.names("tests/v1/core/test_prefix_caching.py::TestX::test_y")
     assert not note.names("tests/v1/core/test_prefix_caching.py::TestX::test_yz")
     assert not _series.Fix.load(path).timing_sensitive_on(Version("0.30.0"))
+
+
+def test_a_series_file_that_does_not_match_the_series_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    release = SERIES.default_release
+    shutil.copytree(_patchset.release_dir(release), tmp_path / f"v{release}")
+    monkeypatch.setattr(_patchset, "patches_dir", lambda: tmp_path)
+    assert len(PatchSet.load(SERIES, release).patches) == len(SERIES.applicable(release))
+    series_file = tmp_path / f"v{release}" / _patchset.SERIES_FILE
+    lines = series_file.read_text().splitlines()
+    series_file.write_text("\n".join(lines[:2] + lines[3:]) + "\n")  # a fix left out
+    with pytest.raises(_series.UserError, match="does not match the series"):
+        PatchSet.load(SERIES, release)

@@ -1,0 +1,82 @@
+"""The command starts fast and ends cleanly (issue 11, items 6 and 8): verbs import only
+what they use, a plan is computed once with few git calls, a closed pipe is no error.
+Times are measured in benchmarks/bench_cli_startup.py; tests never assert on time."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_patches import _git, _series
+from vllm_patches._cli import EXIT_OK, main
+
+# Modules only regen/matrix (libcst), fetch (the network, archives) or comparing a range
+# (packaging.specifiers) need. (pathlib imports urllib.parse, argparse shutil.)
+HEAVY = ("libcst", "urllib.request", "http", "tarfile", "json", "ssl", "email", "tempfile",
+         "packaging.specifiers")
+ENV = {**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}
+
+
+def imported_by(*argv: str) -> list[str]:
+    code = ("import sys\nfrom vllm_patches._cli import main\n"
+            f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
+            "print('MODULES', sorted(sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                         check=True).stdout
+    modules = ast.literal_eval(out.split("MODULES ", 1)[1])
+    return [name for name in modules if name.startswith(HEAVY)]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["list", "-v"], ["status", "{checkout}"],
+                                  ["apply", "--check", "{checkout}"]], ids=" ".join)
+def test_quick_verbs_import_neither_libcst_nor_the_network(argv, checkout):
+    """Issue 11, item 8: every command imported libcst (0.7 s on a loaded machine)."""
+    assert imported_by(*(arg.format(checkout=checkout) for arg in argv)) == []
+
+
+def count_git_calls(monkeypatch) -> list[tuple[str, ...]]:
+    calls: list[tuple[str, ...]] = []
+    real = _git.subprocess.run
+
+    def counting(args, *rest, **kwargs):
+        if args[:1] == ["git"]:
+            calls.append(tuple(args[3:]))
+        return real(args, *rest, **kwargs)
+
+    monkeypatch.setattr(_git.subprocess, "run", counting)
+    return calls
+
+
+def test_status_and_apply_of_a_release_run_few_git_commands(checkout, monkeypatch, capsys):
+    """Item 8: the plan is computed once, from the committed blob ids: status is three
+    git commands, apply adds git am (and the identity lookup) and nothing else."""
+    calls = count_git_calls(monkeypatch)
+    assert main(["status", str(checkout)]) == EXIT_OK
+    assert [c[0] for c in calls] == ["rev-parse", "ls-tree", "status"]
+    calls.clear()
+    assert main(["apply", str(checkout)]) == EXIT_OK
+    assert [c[0] for c in calls] == ["rev-parse", "ls-tree", "status", "config", "am"]
+    assert "done: F1, F2, F3, F4" in capsys.readouterr().out
+
+
+def test_a_closed_pipe_ends_quietly():
+    """Item 6: `vllm-patches list -v | head` ended in a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_patches", "list", "-v"], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141  # 128 + SIGPIPE, as a shell reports it
+    assert err == ""
+
+
+def test_bad_arguments_are_one_line(capsys):
+    """Item 6: a bad --release printed argparse's usage block."""
+    for argv in (["status", "--release", "v0.x", "."], ["apply", "--bogus"], ["nosuchverb"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+        assert err.startswith("vllm-patches") and "error: " in err

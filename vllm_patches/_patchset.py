@@ -1,0 +1,156 @@
+"""The committed patches of one release: where they are, their order, and what each
+changes, read from the files alone (no git, no libcst), so that `status` and `apply`
+start fast and work offline.
+
+``patches/v<release>/`` holds one ``git format-patch --full-index`` file per fix the
+release needs and quilt's ``series`` file. Full index lines give every changed file's
+blob id before and after each patch; from them ``PatchSet.positions`` knows the exact
+content ids of the touched files after 0, 1, .. n patches, which is how a plan
+recognizes a pristine or patched checkout without trying a single patch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from vllm_patches import _series
+from vllm_patches._errors import UserError
+from vllm_patches._series import Fix, Series
+
+SERIES_FILE = "series"
+SERIES_HEADER = "# vllm-patches series for"  # the series file's first line
+# The author of every committed patch (and the committer `apply` falls back to where the
+# user has no git identity).
+PATCH_AUTHOR_NAME = "vllm-patches maintainers"
+PATCH_AUTHOR_EMAIL = "vllm-patches@users.noreply.github.com"
+# git's id of "no file" on either side of a diff (file created or deleted).
+NO_BLOB = "0" * 40
+
+# Blob ids of the touched files at one position of a series: path -> blob id, or None
+# where the file does not exist.
+Blobs = dict[str, str | None]
+
+_DIFF = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
+_INDEX = re.compile(r"^index ([0-9a-f]{40})\.\.([0-9a-f]{40})(?: (\d{6}))?$")
+_NEW_MODE = re.compile(r"^(?:new|deleted) file mode (\d{6})$")
+
+
+def patches_dir() -> Path:
+    """Where the committed patches are: inside the package when installed from a wheel."""
+    bundled = _series.PACKAGE_DIR / "patches"
+    return bundled if bundled.is_dir() else _series.PATCHES_DIR
+
+
+def release_dir(release: Version) -> Path:
+    return patches_dir() / f"v{release}"
+
+
+def patch_filename(number: int, fix: Fix) -> str:
+    """``0001-F1-two-phase-computed-block-allocation.patch``: position, id, slug."""
+    return f"{number:04d}-{fix.name}.patch"
+
+
+def committed(release: Version) -> dict[str, str]:
+    """File name -> text of every file in ``patches/v<release>/`` ({} when absent)."""
+    directory = release_dir(release)
+    if not directory.is_dir():
+        return {}
+    return {path.name: path.read_text() for path in sorted(directory.iterdir())}
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """One file a patch changes: its blob id (None: absent) and mode, before and after."""
+
+    before: str | None
+    after: str | None
+    mode: str
+
+
+@dataclass(frozen=True)
+class Patch:
+    """The committed patch of one fix for one release."""
+
+    fix: Fix
+    path: Path
+    changes: dict[str, FileChange]  # upstream path -> change
+
+    @classmethod
+    def read(cls, fix: Fix, path: Path) -> Patch:
+        changes: dict[str, FileChange] = {}
+        current = mode = None
+        for line in path.read_text().splitlines():
+            if match := _DIFF.match(line):
+                old, new = match.groups()
+                if old != new:
+                    raise UserError(f"{path}: renames {old} to {new}; regenerate it")
+                current, mode = new, None
+            elif current and (match := _NEW_MODE.match(line)):
+                mode = match.group(1)
+            elif current and (match := _INDEX.match(line)):
+                before, after, index_mode = match.groups()
+                changes[current] = FileChange(None if before == NO_BLOB else before,
+                                              None if after == NO_BLOB else after,
+                                              index_mode or mode or "100644")
+                current = None
+        if not changes:
+            raise UserError(f"{path}: not a `git format-patch --full-index` patch; "
+                            "run `vllm-patches regen`")
+        return cls(fix, path, changes)
+
+
+@dataclass(frozen=True)
+class PatchSet:
+    """The release's patches in series order, one per fix the release needs."""
+
+    release: Version
+    patches: tuple[Patch, ...]
+
+    @classmethod
+    def load(cls, series: Series, release: Version) -> PatchSet:
+        """The committed patches of ``release``, as its series file lists them.
+
+        The series file names every fix of the series once, in order: its patch, or a
+        comment saying why the release does not take it. Only that shape is checked here;
+        that the patches are the ones the metadata's ranges call for is what `regen --check`
+        (CI) and tests/tool/test_series.py prove, so reading them compares no range.
+        """
+        directory = release_dir(release)
+        series_file = directory / SERIES_FILE
+        if not series_file.is_file():
+            raise UserError(f"no patches for vLLM v{release} in {directory.parent} "
+                            f"(run `vllm-patches regen --release v{release}`)")
+        lines = [line for line in series_file.read_text().splitlines()
+                 if line and not line.startswith(SERIES_HEADER)]
+        patches = []
+        for fix, line in zip(series.fixes, lines):
+            if line == patch_filename(len(patches) + 1, fix):
+                patches.append(Patch.read(fix, directory / line))
+            elif not line.startswith(f"# {fix.name}: "):
+                break
+        else:
+            if len(lines) == len(series.fixes):
+                return cls(release, tuple(patches))
+        raise UserError(f"{series_file} does not match the series ({', '.join(series.ids)}); "
+                        f"run `vllm-patches regen --release v{release}`")
+
+    def paths(self) -> list[str]:
+        """Every file the patches touch, sorted."""
+        return sorted({path for patch in self.patches for path in patch.changes})
+
+    def positions(self) -> list[Blobs]:
+        """The touched files' blob ids after 0 (the release), 1, .. n patches."""
+        paths = self.paths()
+        current: Blobs = {}
+        for path in paths:
+            first = next(p.changes[path] for p in self.patches if path in p.changes)
+            current[path] = first.before
+        result = [dict(current)]
+        for patch in self.patches:
+            current.update({path: change.after for path, change in patch.changes.items()})
+            result.append(dict(current))
+        return result
