@@ -114,7 +114,9 @@ def test_a_changed_cache_is_never_handed_out_as_pristine(cache, tmp_path, monkey
     `regen --check` failed with a misleading message and a no-argument `apply` said
     "nothing to apply"."""
     (cache / "README.md").write_text("changed behind the tool's back\n")
-    git(cache, "commit", "-qam", "a commit in the cache")
+    # The cache has no identity of its own (only fetch commits there, with a fixed one).
+    git(cache, "-c", "user.name=Someone", "-c", "user.email=someone@example.org",
+        "commit", "-qam", "a commit in the cache")
     before = snapshot(cache)
     code, _, err = run(capsys, "fetch", "v0.21.0")
     assert code == EXIT_REFUSED
