@@ -204,26 +204,29 @@ def f1_cross_group(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
             "b_local_hit_tokens": len(prompt_a) - 1, "b_external_tokens": 3 * block_size}
 
 # The producer releases KV no decoder pulled this long after its prefill (upstream: 480
-# s): longer than a burst takes from prefill to the last pull on a 2-core machine (up
-# to 145 s seen with other work on the cores, about 60 s without).
-NIXL_EXPIRY_S = 180
-NIXL_BLOCK_SIZE = 32
-# Prompt length: 6 full blocks that the siblings of a prompt share through the prefix
-# cache and a partial last block each; each READ of a sibling moves 7 blocks (16 MB).
-NIXL_PROMPT_TOKENS = 6 * NIXL_BLOCK_SIZE + 16
+# s): about three times what a burst takes here from its last prefill to the last pull
+# notification read (10 s on 2 cores), so stock's held siblings still show right after
+# the burst; short, because each mode waits it out.
+NIXL_EXPIRY_S = 30
+NIXL_BLOCK_SIZE = 16
+# Prompt length: 2 full blocks that the siblings of a prompt share through the prefix
+# cache and a partial last block each; the first READ of a sibling moves 3 blocks, the
+# decoder's later children only the partial one (the full ones hit its prefix cache).
+NIXL_PROMPT_TOKENS = 2 * NIXL_BLOCK_SIZE + 8
 # Bounded polling of the producer: it reads notifications only when it steps.
 POKES = 40
 POKE_GAP_S = 0.25
 # The decoder runs four sequences at a time and has KV for two of a prompt's children
-# (7 blocks each until the first ones are in its prefix cache): a loaded decoder admits
+# (3 blocks each until the first ones are in its prefix cache): a loaded decoder admits
 # a prompt's n children in waves, later ones after earlier ones finished decoding, and
 # the producer steps between the waves. (Unloaded, all n READs go out in one step,
 # within milliseconds, and an idle producer reads their notifications in one step.)
 DECODER_SEQS = 4
-DECODER_BLOCKS = 1 + 16
-# Tokens each child decodes: a wave lasts that many decoder steps, long enough for the
-# producer (stepped every BUSY_GAP_S or so) to step within it.
-DECODE_TOKENS = 16
+DECODER_BLOCKS = 1 + 2 * 3
+# Tokens each child decodes (the partial block fills up, no new one): a wave lasts that
+# many decoder steps, over a second here, long enough for the producer (stepped every
+# BUSY_GAP_S or so) to step within it.
+DECODE_TOKENS = 8
 # The probe's NIXL events, and NIXL's progress thread polling every millisecond
 # instead of spinning (see e2e_probe).
 NIXL_PROBE_ENV = {"VLLM_PATCHES_E2E_PROBE_NIXL": "1", "VLLM_PATCHES_E2E_NIXL_POLL_US": "1000"}
@@ -241,6 +244,8 @@ def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, cor
     bound to the same cores, their OpenMP threads spin against each other)."""
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        # The worker's main thread (the model's, too) stays on that core (see e2e_probe).
+        "VLLM_PATCHES_E2E_NIXL_KV_CORE": str(core),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(NIXL_EXPIRY_S),
@@ -345,15 +350,16 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     decoder_probe = run_dir / "decoder.probe.jsonl"
     servers: list[Server] = []
     try:
-        # One after the other: two engines starting at once on 2 cores take longer
-        # than both in turn.
+        # Both at once: each engine computes on its own core.
         producer = nixl_server("producer", run_dir, 8100, 5600, core=0)
         servers.append(producer)
-        ready = {"producer_s": round(producer.wait_ready(), 1)}
         decoder = nixl_server("decoder", run_dir, 8200, 5601, core=1, max_num_seqs=DECODER_SEQS,
-                              num_gpu_blocks_override=DECODER_BLOCKS)
+                              num_gpu_blocks_override=DECODER_BLOCKS,
+                              # vLLM refuses a length whose KV the pool cannot hold.
+                              max_model_len=(DECODER_BLOCKS - 1) * NIXL_BLOCK_SIZE)
         servers.append(decoder)
-        ready["decoder_s"] = round(decoder.wait_ready(), 1)
+        ready = {"producer_s": round(producer.wait_ready(), 1),
+                 "decoder_s": round(decoder.wait_ready(), 1)}
         decode(decoder, prefill(producer, list(range(500, 500 + NIXL_PROMPT_TOKENS)), 1))
         drain(producer, producer_probe, decoder_notifications_sent(decoder_probe))
         # The burst's own notifications are counted from here.

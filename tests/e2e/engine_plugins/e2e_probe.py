@@ -21,6 +21,8 @@ clock on Linux, so the lines of the scheduler and the worker processes compare):
   and, where a fix stages early notifications, how many are staged (when it changes).
 
 The NIXL probes are installed only with ``VLLM_PATCHES_E2E_PROBE_NIXL=1``. With
+``VLLM_PATCHES_E2E_NIXL_KV_CORE=C`` the CPU NIXL worker keeps its main thread on core C
+(``_reserve_kv_core``) instead of moving it to the machine's last core. With
 ``VLLM_PATCHES_E2E_NIXL_POLL_US=N`` the probe also changes one thing: NIXL's progress
 thread waits N microseconds between polls instead of spinning (the ``nixl_agent``
 Python API hard-codes a delay of 0, and vLLM cannot set it). A spinning progress thread
@@ -168,6 +170,9 @@ def _probe_nixl() -> None:
     poll_us = os.environ.get("VLLM_PATCHES_E2E_NIXL_POLL_US")
     if poll_us:
         _poll_nixl_progress_every(NixlWrapper, int(poll_us))
+    kv_core = os.environ.get("VLLM_PATCHES_E2E_NIXL_KV_CORE")
+    if kv_core:
+        _reserve_kv_core(int(kv_core))
     wrap(NixlWrapper, "get_new_notifs", make_get_new_notifs)
     wrap(NixlWrapper, "make_prepped_xfer", make_prepped_xfer)
     wrap(NixlWrapper, "send_notif", make_send_notif)
@@ -186,6 +191,19 @@ def _poll_nixl_progress_every(agent_class: type, microseconds: int) -> None:
         return make_agent(name, config)
 
     bindings.nixlAgent = agent
+
+
+def _reserve_kv_core(core: int) -> None:
+    """Make the CPU NIXL worker keep its main thread on ``core``.
+
+    The worker moves its main thread, which also runs the model, to the last core of
+    each NUMA node (the platform's ``discover_numa_topology``, used for nothing else):
+    on a 1-node machine two engines then compute on the same core, and a producer
+    step waits seconds behind the decoder's. Each engine keeps its own core instead.
+    """
+    from vllm.platforms import current_platform
+
+    type(current_platform).discover_numa_topology = classmethod(lambda cls: [[core]])
 
 
 def register() -> None:
