@@ -6,7 +6,8 @@ and expiry), run with the plugin disabled (stock) and enabled (fixed) in the eng
 of ``tools/engine_lane.py``. Prints, per mode: "Releasing expired KV blocks" and
 "Potentially invalid KV blocks" lines, the producer's ``vllm:kv_cache_usage_perc`` right
 after the burst and after the expiry, blocks in use (peak, after the drain), per
-prompt the seconds from the first pull notification to the last sibling freed, bytes the
+prompt the seconds from the first pull notification to the last sibling freed, the
+seconds from the burst's start until the producer had read every notification, bytes the
 decoder READ (NIXL telemetry, ``vllm:nixl_bytes_transferred``), blocks freed while a
 READ of them was outstanding, early notifications left staged, and per prompt the READs
 the decoder posted for the advertised sibling and when the producer read their
@@ -59,6 +60,8 @@ ROWS = [
      lambda r: " / ".join("-" if s is None else f"{s:.2f}"
                           for s in r["s_siblings_held_after_first_pull"])
      + f" (expiry {r['expiry_s']} s)"),
+    ("s from the burst's start until the producer read every pull notification",
+     lambda r: f"{r['s_burst_to_drained']:.1f}"),
     ("bytes READ by the decoder (transfers)",
      lambda r: f"{r['bytes_transferred'] / 2**20:.0f} MiB ({r['transfers']:.0f})"),
     ("blocks freed while a READ of them was outstanding",

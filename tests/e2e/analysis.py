@@ -196,6 +196,9 @@ def pair_summary(record: dict[str, Any], producer_events: list[dict[str, Any]],
         "peak_blocks_in_use": max((e["used_blocks"] for e in burst_steps), default=None),
         "blocks_in_use_after_drain": after_drain[-1] if after_drain else None,
         "s_siblings_held_after_first_pull": held,
+        # From the first prefill to the step after the producer read the last pull
+        # notification: the burst, prefill to every decode child's READ done.
+        "s_burst_to_drained": round(record["t_drained"] - record["t_burst"], 1),
         "expiry_s": record["expiry_s"],
         "bytes_transferred": record["bytes_transferred"],
         "transfers": record["transfers"],
