@@ -12,15 +12,18 @@ from pathlib import Path
 from typing import Any
 
 LOG_PROCESS = re.compile(r"\[pid=(\d+) ([^\]]+)\]")
+# The message of a vLLM log line: what follows its "[file.py:line] " location.
+LOG_MESSAGE = re.compile(r"\[[\w.]+\.py:\d+\] (.*)$")
 SIBLING = re.compile(r"^(\d+)_(.+)$")
 
 
 # ----------------------------------------------------------------------- plugin line
 
 
-def lines_by_process(log: Path, needle: str) -> dict[int, tuple[str, list[str]]]:
-    """pid -> (process name, its log lines containing ``needle``), for every process
-    that logged a line with vLLM's ``[pid=N name]`` prefix."""
+def lines_by_process(log: Path, prefix: str) -> dict[int, tuple[str, list[str]]]:
+    """pid -> (process name, its log messages that start with ``prefix``), for every
+    process that logged a line with vLLM's ``[pid=N name]`` prefix. Only messages: a
+    path in a traceback may hold ``prefix`` too (a checkout named ``vllm-patches``)."""
     processes: dict[int, tuple[str, list[str]]] = {}
     for line in log.read_text(errors="replace").splitlines():
         match = LOG_PROCESS.search(line)
@@ -28,8 +31,9 @@ def lines_by_process(log: Path, needle: str) -> dict[int, tuple[str, list[str]]]
             continue
         pid, name = int(match.group(1)), match.group(2)
         entry = processes.setdefault(pid, (name, []))
-        if needle in line:
-            entry[1].append(line[line.index(needle):])
+        message = LOG_MESSAGE.search(line)
+        if message and message.group(1).startswith(prefix):
+            entry[1].append(message.group(1))
     return processes
 
 
