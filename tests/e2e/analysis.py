@@ -181,8 +181,8 @@ def held_after_pull(producer_events: list[dict[str, Any]], remote_id: str) -> fl
 
 def pair_summary(record: dict[str, Any], producer_events: list[dict[str, Any]],
                  decoder_events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The figures of one NIXL pair run (``scenarios.nixl_pair``) an operator and the
-    F2 redesign care about."""
+    """The figures of one NIXL pair run (``scenarios.nixl_pair``) an operator and F2's
+    design care about."""
     flows = record["flows"]
     remote_ids = [flow["remote_request_id"] for flow in flows]
     burst_steps = [e for e in producer_events if e["event"] == "step"
