@@ -93,10 +93,13 @@ def ensure_venv(release: Version, tree: Path) -> Path:
     return cached_venv(BUILD / "venvs" / f"v{release}", wanted, installs, f"v{release}")
 
 
-def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str) -> Path:
+def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str,
+                wheelhouse: Path | None = None) -> Path:
     """The python of a venv at ``venv`` made by ``installs`` (pip install arguments, in
     order); made again only when ``wanted`` (what they install) changes: a stamp of it
-    sits in the venv."""
+    sits in the venv. With ``wheelhouse``, every wheel is downloaded there first and
+    installed from there, so a rebuild on the same machine downloads nothing it has
+    (pip's own HTTP cache stores nothing from this machine's index)."""
     stamp = hashlib.sha256(wanted.encode()).hexdigest()
     python = venv / "bin" / "python"
     stamp_file = venv / ".requirements-sha256"
@@ -105,12 +108,18 @@ def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str) 
     log(f"{label}: creating {venv}")
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
     for args in installs:
-        proc = subprocess.run([*pip, *args], capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.stdout.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise SystemExit(f"{label}: pip install failed")
+        commands = [[*pip, "install", "--quiet", *args]]
+        if wheelhouse is not None:
+            commands = [[*pip, "download", "--quiet", "--dest", str(wheelhouse), *args],
+                        [*pip, "install", "--quiet", "--no-index", "--find-links",
+                         str(wheelhouse), *args]]
+        for command in commands:
+            proc = subprocess.run(command, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.stdout.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+                raise SystemExit(f"{label}: pip {command[len(pip)]} {' '.join(args)} failed")
     stamp_file.write_text(stamp)
     return python
 

@@ -5,9 +5,12 @@
 #   3. the lanes: every fix test fails on stock vLLM and passes patched, and
 #      upstream's suites pass patched, for each pinned release (tools/lanes.py);
 #   4. what `export` sends upstream, each fix on its newest lane: upstream's pre-commit
-#      passes on it, its tests fail on stock and pass exported (tools/export_check.py).
+#      passes on it, its tests fail on stock and pass exported (tools/export_check.py);
+#   5. the real-engine lane: the fixes in running vLLM engines, stock against fixed
+#      (tools/engine_lane.py; VLLM_PATCHES_ENGINE_LANE=0 skips it).
 # Arguments go to tools/lanes.py and tools/export_check.py (e.g. --release v0.21.0).
-# Needs python3.11+ and git.
+# Needs python3.11+, git, and root for the real-engine lane (its engines run in a
+# private network namespace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +25,14 @@ echo "== regen --check"
 echo "== tool tests"
 .venv/bin/python -m pytest -q -p no:cacheprovider tests/tool
 echo "== lanes"
-.venv/bin/python tools/lanes.py "$@"
+# Every stage below runs even when an earlier one failed (each is long, and each
+# failure is worth seeing in one CI run); the exit status says whether any failed.
+status=0
+.venv/bin/python tools/lanes.py "$@" || status=1
 echo "== exported series"
-.venv/bin/python tools/export_check.py "$@"
+.venv/bin/python tools/export_check.py "$@" || status=1
+if [ "${VLLM_PATCHES_ENGINE_LANE:-1}" != 0 ]; then
+    echo "== real-engine lane"
+    .venv/bin/python tools/engine_lane.py || status=1
+fi
+exit $status

@@ -1,0 +1,212 @@
+"""What the records and probe events of e2e runs show; shared by the tests and benchmarks.
+
+Pure functions over a scenario's ``record.json`` and the probe's events
+(``engine_plugins/e2e_probe.py``); nothing here runs an engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+LOG_PROCESS = re.compile(r"\[pid=(\d+) ([^\]]+)\]")
+# The message of a vLLM log line: what follows its "[file.py:line] " location.
+LOG_MESSAGE = re.compile(r"\[[\w.]+\.py:\d+\] (.*)$")
+SIBLING = re.compile(r"^(\d+)_(.+)$")
+
+
+# ----------------------------------------------------------------------- plugin line
+
+
+def lines_by_process(log: Path, prefix: str) -> dict[int, tuple[str, list[str]]]:
+    """pid -> (process name, its log messages that start with ``prefix``), for every
+    process that logged a line with vLLM's ``[pid=N name]`` prefix. Only messages: a
+    path in a traceback may hold ``prefix`` too (a checkout named ``vllm-patches``)."""
+    processes: dict[int, tuple[str, list[str]]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        match = LOG_PROCESS.search(line)
+        if not match:
+            continue
+        pid, name = int(match.group(1)), match.group(2)
+        entry = processes.setdefault(pid, (name, []))
+        message = LOG_MESSAGE.search(line)
+        if message and message.group(1).startswith(prefix):
+            entry[1].append(message.group(1))
+    return processes
+
+
+# ------------------------------------------------------------------------------- F1
+
+
+def blocks_in_several_groups(block_ids: list[list[int]]) -> dict[int, list[int]]:
+    """Physical block id -> the KV-cache groups holding it, for every block (other than
+    the null block 0) that more than one group holds: vllm#33775."""
+    holders: dict[int, list[int]] = defaultdict(list)
+    for group, ids in enumerate(block_ids):
+        for block in set(ids) - {0}:
+            holders[block].append(group)
+    return {block: groups for block, groups in sorted(holders.items()) if len(groups) > 1}
+
+
+def engine_request(events: list[dict[str, Any]], event: str, client_id: str) -> dict[str, Any]:
+    """The ``event`` of the request the client knows as ``client_id`` (the engine adds a
+    random suffix: ``0`` -> ``0-1a2b3c4d``)."""
+    found = [e for e in events if e["event"] == event and e["req"].startswith(client_id + "-")]
+    if len(found) != 1:
+        raise AssertionError(f"expected one {event} event for request {client_id}, "
+                             f"found {len(found)}")
+    return found[0]
+
+
+# ---------------------------------------------------------------------------- F2/F3
+
+
+def parent_of(req_id: str) -> str | None:
+    """The parent of a parallel-sampling sibling ``f"{i}_{parent}"``, else None."""
+    match = SIBLING.match(req_id)
+    return match.group(2) if match else None
+
+
+def notification_messages(events: list[dict[str, Any]]) -> list[tuple[float, str]]:
+    """(time read, request id) of every pull notification a producer's worker read."""
+    return [(event["t"], message.rsplit(":", 1)[0])
+            for event in events if event["event"] == "notifs" for message in event["msgs"]]
+
+
+def reads_by_request(decoder_events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Remote (producer) request id -> the READs and bare notifications a decoder sent
+    for it, in order."""
+    reads: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for event in decoder_events:
+        if event["event"] in ("read", "notif_sent"):
+            reads[event["notif"].rsplit(":", 1)[0]].append(event)
+    return reads
+
+
+def notification_timing(producer_events: list[dict[str, Any]],
+                        decoder_events: list[dict[str, Any]], remote_ids: list[str]
+                        ) -> list[dict[str, Any]]:
+    """Per advertised request: how many READs the decoder posted for it and how far
+    apart, how many notifications the producer read for it, and when each was read
+    relative to the first (ms), and in how many separate reads of the agent."""
+    by_request: dict[str, list[float]] = defaultdict(list)
+    for t, req_id in notification_messages(producer_events):
+        by_request[req_id].append(t)
+    reads = reads_by_request(decoder_events)
+    rows = []
+    for remote_id in remote_ids:
+        times, posted = sorted(by_request.get(remote_id, [])), reads.get(remote_id, [])
+        rows.append({
+            "remote_request_id": remote_id,
+            "reads_posted": sum(1 for e in posted if e["event"] == "read"),
+            "bare_notifications": sum(1 for e in posted if e["event"] == "notif_sent"),
+            "descriptors_per_read": sorted({e["descs"] for e in posted if e["event"] == "read"}),
+            "reads_posted_within_ms": round(1000 * (posted[-1]["t"] - posted[0]["t"]), 2)
+            if posted else None,
+            "notifications_read": len(times),
+            "notification_offsets_ms": [round(1000 * (t - times[0]), 2) for t in times],
+            "separate_agent_reads": len(set(times)),
+        })
+    return rows
+
+
+def frees_while_read_outstanding(producer_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Blocks the producer returned to the free queue before it had read every pull
+    notification for a request that held them (see the F2 test's docstring for why this
+    is "freed while a READ of it was outstanding").
+
+    For each ``free`` of a request R with block ids B (all groups), each block b of B is
+    followed to the moment it next reached ref_cnt 0 (at R's free, or at the free of
+    another request sharing it); a notification for R read after that moment is a
+    violation, one entry per (R, b)."""
+    notified: dict[str, list[float]] = defaultdict(list)
+    for t, req_id in notification_messages(producer_events):
+        notified[req_id].append(t)
+    zero_at: dict[int, list[float]] = defaultdict(list)
+    frees = [e for e in producer_events if e["event"] == "free"]
+    for event in frees:
+        for block in event["freed"]:
+            zero_at[block].append(event["t"])
+    violations = []
+    for event in frees:
+        if event["req"] not in notified:
+            continue
+        for block in sorted({b for group in event["blocks"] for b in group} - {0}):
+            freed = next((t for t in zero_at[block] if t >= event["t"]), None)
+            if freed is None:
+                continue
+            later = [t for t in notified[event["req"]] if t > freed]
+            if later:
+                violations.append({"req": event["req"], "block": block,
+                                   "notifications_after_free": len(later),
+                                   "ms_after_free": round(1000 * (max(later) - freed), 2)})
+    return violations
+
+
+def siblings_by_parent(producer_events: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """Parent id -> its sibling requests, from the producer's frees."""
+    parents: dict[str, set[str]] = defaultdict(set)
+    for event in producer_events:
+        if event["event"] == "free" and (parent := parent_of(event["req"])):
+            parents[parent].add(event["req"])
+    return parents
+
+
+def staged_after(producer_events: list[dict[str, Any]], t: float) -> int | None:
+    """Early notifications staged by the producer in its last report before ``t``
+    (None: the worker has no staging, i.e. stock)."""
+    states = [e for e in producer_events if e["event"] == "nixl_state" and e["t"] <= t]
+    return states[-1]["staged"] if states else None
+
+
+def held_blocks_timeline(producer_events: list[dict[str, Any]], since: float
+                         ) -> list[tuple[float, int]]:
+    """(seconds since ``since``, blocks in use) at each producer step from ``since``."""
+    return [(round(e["t"] - since, 3), e["used_blocks"]) for e in producer_events
+            if e["event"] == "step" and e["t"] >= since]
+
+
+def held_after_pull(producer_events: list[dict[str, Any]], remote_id: str) -> float | None:
+    """Seconds from the producer reading the first pull notification for the advertised
+    sibling ``remote_id`` to its freeing the last sibling of that prompt (None if a
+    sibling was never freed or never notified)."""
+    parent = parent_of(remote_id)
+    notified = [t for t, req_id in notification_messages(producer_events) if req_id == remote_id]
+    freed = [e["t"] for e in producer_events
+             if e["event"] == "free" and parent_of(e["req"]) == parent]
+    return round(max(freed) - min(notified), 3) if notified and freed else None
+
+
+def pair_summary(record: dict[str, Any], producer_events: list[dict[str, Any]],
+                 decoder_events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of one NIXL pair run (``scenarios.nixl_pair``) an operator and F2's
+    design care about."""
+    flows = record["flows"]
+    remote_ids = [flow["remote_request_id"] for flow in flows]
+    burst_steps = [e for e in producer_events if e["event"] == "step"
+                   and record["t_burst"] <= e["t"] <= record["t_expired"]]
+    # The frees of the drain's last poke leave what the burst still holds.
+    after_drain = [e["used_blocks"] for e in producer_events
+                   if e["event"] == "free" and e["t"] <= record["t_drained"]]
+    held = [held_after_pull(producer_events, remote) for remote in remote_ids]
+    return {
+        "samples": [flow["n"] for flow in flows],
+        "expired_lines": len(record["expired_lines"]),
+        "invalid_kv_lines": len(record["invalid_lines"]),
+        "kv_usage_after_burst": record["usage_after_burst"],
+        "kv_usage_after_expiry": record["usage_after_expiry"],
+        "peak_blocks_in_use": max((e["used_blocks"] for e in burst_steps), default=None),
+        "blocks_in_use_after_drain": after_drain[-1] if after_drain else None,
+        "s_siblings_held_after_first_pull": held,
+        # From the first prefill to the step after the producer read the last pull
+        # notification: the burst, prefill to every decode child's READ done.
+        "s_burst_to_drained": round(record["t_drained"] - record["t_burst"], 1),
+        "expiry_s": record["expiry_s"],
+        "bytes_transferred": record["bytes_transferred"],
+        "transfers": record["transfers"],
+        "staged_after_drain": staged_after(producer_events, record["t_drained"]),
+        "blocks_freed_while_read_outstanding": len(frees_while_read_outstanding(producer_events)),
+        "notification_timing": notification_timing(producer_events, decoder_events, remote_ids),
+    }

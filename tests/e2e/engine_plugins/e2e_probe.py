@@ -1,0 +1,219 @@
+"""Test-only probe for the real-engine lane: what the KV-cache path did, when.
+
+Loaded into every vLLM process of an e2e run as a second ``vllm.general_plugins`` entry
+point (``tests/e2e/harness.py`` writes its dist-info; nothing is pip-installed), in stock
+and fixed runs alike. It wraps only code that no fix changes, and appends one JSON line
+per event to ``$VLLM_PATCHES_E2E_PROBE`` with ``time.monotonic()`` (one system-wide
+clock on Linux, so the lines of the scheduler and the worker processes compare):
+
+- scheduler (``KVCacheManager.free``): ``free``: a request's block ids per KV-cache
+  group when its blocks are freed, which of them reached ref_cnt 0 there (went back to
+  the free queue, reusable by any request), and the blocks still in use after it;
+- scheduler (``Scheduler._update_from_kv_xfer_finished``): ``finished_sending``: the
+  requests the workers reported released (the scheduler frees them right after);
+- scheduler (``Scheduler.schedule``): ``step``: KV usage and blocks in use, at each step
+  that schedules work or changes them;
+- worker (NIXL agent ``get_new_notifs``): ``notifs``: every pull notification as the
+  producer's worker reads it, before vLLM (or a fix) interprets it;
+- worker (NIXL agent ``make_prepped_xfer``, ``send_notif``): ``read``/``notif_sent``:
+  each READ a decoder posts (descriptors, its notification) and each bare notification;
+- worker (``NixlConnector.get_finished``): ``nixl_state``: requests the producer holds
+  and, where a fix stages early notifications, how many are staged (when it changes).
+
+The NIXL probes are installed only with ``VLLM_PATCHES_E2E_PROBE_NIXL=1``. With
+``VLLM_PATCHES_E2E_NIXL_KV_CORE=C`` the CPU NIXL worker keeps its main thread on core C
+(``_reserve_kv_core``) instead of moving it to the machine's last core. With
+``VLLM_PATCHES_E2E_NIXL_POLL_US=N`` the probe also changes one thing: NIXL's progress
+thread waits N microseconds between polls instead of spinning (the ``nixl_agent``
+Python API hard-codes a delay of 0, and vLLM cannot set it). A spinning progress thread
+takes most of a core per engine, which on a 2-core machine slows every engine process
+several-fold; a notification is then delivered up to N us later, for stock and fixed
+alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+PROBE_ENV = "VLLM_PATCHES_E2E_PROBE"
+
+_fd: int | None = None
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Append one event; a single O_APPEND write keeps lines of processes whole."""
+    global _fd
+    if _fd is None:
+        _fd = os.open(os.environ[PROBE_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    line = json.dumps({"t": time.monotonic(), "pid": os.getpid(), "event": event, **fields})
+    os.write(_fd, line.encode() + b"\n")
+
+
+def wrap(owner: type, name: str, make: Any) -> None:
+    """Replace ``owner.name`` by ``make(original)``, keeping its metadata."""
+    original = owner.__dict__[name]
+    setattr(owner, name, functools.wraps(original)(make(original)))
+
+
+def _used_blocks(pool: Any) -> int:
+    """Blocks held by requests (the null block is never free, never counted)."""
+    return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+
+
+def _block_ids(manager: Any, request_id: str) -> list[list[int]]:
+    return [list(group) for group in manager.get_block_ids(request_id)]
+
+
+def _probe_scheduler() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def make_free(original: Any) -> Any:
+        def free(self: Any, request: Any) -> None:
+            groups = _block_ids(self, request.request_id)
+            original(self, request)
+            pool = self.block_pool
+            freed = sorted({b for group in groups for b in group
+                            if b and pool.blocks[b].ref_cnt == 0})
+            emit("free", req=request.request_id, blocks=groups, freed=freed,
+                 usage=self.usage, used_blocks=_used_blocks(pool))
+        return free
+
+    def make_xfer_finished(original: Any) -> Any:
+        def update(self: Any, kv_connector_output: Any) -> Any:
+            sending = sorted(kv_connector_output.finished_sending or ())
+            recving = sorted(kv_connector_output.finished_recving or ())
+            if sending or recving:
+                emit("finished_sending", reqs=sending, recving=recving)
+            return original(self, kv_connector_output)
+        return update
+
+    last_step: dict[str, Any] = {}
+
+    def make_schedule(original: Any) -> Any:
+        def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            output = original(self, *args, **kwargs)
+            state = {"used_blocks": _used_blocks(self.kv_cache_manager.block_pool),
+                     "scheduled": len(output.num_scheduled_tokens),
+                     "requests": len(self.requests)}
+            # A step that schedules nothing (a decoder waiting for remote KV loops so)
+            # is recorded only when the state changed.
+            if state["scheduled"] or state != last_step:
+                last_step.clear()
+                last_step.update(state)
+                emit("step", usage=self.kv_cache_manager.usage, **state)
+            return output
+        return schedule
+
+    wrap(KVCacheManager, "free", make_free)
+    wrap(Scheduler, "_update_from_kv_xfer_finished", make_xfer_finished)
+    wrap(Scheduler, "schedule", make_schedule)
+
+
+def _probe_nixl() -> None:
+    # Through vLLM's own loader: it sets UCX's environment before NIXL is imported.
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+    from vllm.distributed.nixl_utils import NixlWrapper
+
+    def make_get_new_notifs(original: Any) -> Any:
+        def get_new_notifs(self: Any) -> Any:
+            notifs = original(self)
+            messages = [m.decode() for batch in notifs.values() for m in batch]
+            if messages:
+                emit("notifs", msgs=messages)
+            return notifs
+        return get_new_notifs
+
+    def make_prepped_xfer(original: Any) -> Any:
+        def prepped_xfer(self: Any, operation: Any, local_handle: Any, local_ids: Any,
+                         remote_handle: Any, remote_ids: Any, *args: Any,
+                         **kwargs: Any) -> Any:
+            notif = kwargs.get("notif_msg", args[0] if args else b"")
+            emit("read", op=str(operation), descs=len(remote_ids),
+                 notif=notif.decode() if isinstance(notif, bytes) else str(notif))
+            return original(self, operation, local_handle, local_ids, remote_handle,
+                            remote_ids, *args, **kwargs)
+        return prepped_xfer
+
+    def make_send_notif(original: Any) -> Any:
+        def send_notif(self: Any, remote_agent_name: Any, *args: Any, **kwargs: Any) -> Any:
+            notif = kwargs.get("notif_msg", args[0] if args else b"")
+            emit("notif_sent", notif=notif.decode() if isinstance(notif, bytes) else str(notif))
+            return original(self, remote_agent_name, *args, **kwargs)
+        return send_notif
+
+    last_state: dict[str, Any] = {}
+
+    def make_get_finished(original: Any) -> Any:
+        def get_finished(self: Any, finished_req_ids: Any) -> Any:
+            result = original(self, finished_req_ids)
+            worker = self.connector_worker
+            early = getattr(worker, "_early_notifs", None)
+            state = {
+                "to_send": len(worker._reqs_to_send),
+                "to_process": len(worker._reqs_to_process),
+                "counting": len(worker.consumer_notification_counts_by_req),
+                "staged": None if early is None else len(early.staged),
+                "done_sending": sorted(result[0]),
+            }
+            if state != last_state:
+                last_state.clear()
+                last_state.update(state)
+                emit("nixl_state", **state)
+            return result
+        return get_finished
+
+    poll_us = os.environ.get("VLLM_PATCHES_E2E_NIXL_POLL_US")
+    if poll_us:
+        _poll_nixl_progress_every(NixlWrapper, int(poll_us))
+    kv_core = os.environ.get("VLLM_PATCHES_E2E_NIXL_KV_CORE")
+    if kv_core:
+        _reserve_kv_core(int(kv_core))
+    wrap(NixlWrapper, "get_new_notifs", make_get_new_notifs)
+    wrap(NixlWrapper, "make_prepped_xfer", make_prepped_xfer)
+    wrap(NixlWrapper, "send_notif", make_send_notif)
+    wrap(NixlConnector, "get_finished", make_get_finished)
+
+
+def _poll_nixl_progress_every(agent_class: type, microseconds: int) -> None:
+    """Make every NIXL agent built from now on poll with ``microseconds`` of delay."""
+    import sys
+
+    bindings = sys.modules[agent_class.__module__].nixlBind
+    make_agent = bindings.nixlAgent
+
+    def agent(name: str, config: Any) -> Any:
+        config.pthrDelay = microseconds
+        return make_agent(name, config)
+
+    bindings.nixlAgent = agent
+
+
+def _reserve_kv_core(core: int) -> None:
+    """Make the CPU NIXL worker keep its main thread on ``core``.
+
+    The worker moves its main thread, which also runs the model, to the last core of
+    each NUMA node (the platform's ``discover_numa_topology``, used for nothing else):
+    on a 1-node machine two engines then compute on the same core, and a producer
+    step waits seconds behind the decoder's. Each engine keeps its own core instead.
+    """
+    from vllm.platforms import current_platform
+
+    type(current_platform).discover_numa_topology = classmethod(lambda cls: [[core]])
+
+
+def register() -> None:
+    """The entry point: install the probes once per process (vLLM may call it again)."""
+    if os.environ.get(PROBE_ENV) is None:
+        raise RuntimeError(f"e2e probe loaded without {PROBE_ENV}")
+    if getattr(register, "done", False):
+        return
+    register.done = True  # type: ignore[attr-defined]
+    _probe_scheduler()
+    if os.environ.get("VLLM_PATCHES_E2E_PROBE_NIXL") == "1":
+        _probe_nixl()
+    emit("probe")

