@@ -119,9 +119,11 @@ class Model:
         req = self.reqs[req_id]
         if req.hold is None:
             parent = parent_of(req_id)
-            others = [
-                s for s in sibling_ids(parent) if s != req_id and self.held(s)
-            ] if parent else []
+            others = (
+                [s for s in sibling_ids(parent) if s != req_id and self.held(s)]
+                if parent
+                else []
+            )
             req.hold = len(others) * req.consumers
             req.all_readers = len(others) + 1 == req.readers
             if others:
