@@ -23,7 +23,7 @@ fi
 echo "== regen --check"
 .venv/bin/vllm-patches regen --check
 echo "== tool tests"
-.venv/bin/python -m pytest -q -p no:cacheprovider tests/tool
+.venv/bin/python -m pytest -q -p no:cacheprovider -n auto tests/tool
 echo "== lanes"
 # Every stage below runs even when an earlier one failed (each is long, and each
 # failure is worth seeing in one CI run); the exit status says whether any failed.
