@@ -229,3 +229,29 @@ def test_a_series_file_that_does_not_match_the_series_is_refused(tmp_path, monke
     series_file.write_text("\n".join(lines[:2] + lines[3:]) + "\n")  # a fix left out
     with pytest.raises(_series.UserError, match="does not match the series"):
         PatchSet.load(SERIES, release)
+
+
+def test_the_newest_covered_release_is_the_one_upper_bound():
+    """Issue 17: how far the series is verified is written once, `covered`'s last entry;
+    it is a lane, and the supported range ends there."""
+    assert SERIES.newest == SERIES.covered[-1] == SERIES.lanes[-1]
+    assert SERIES.newest in SERIES.supported
+    assert Version(f"{SERIES.newest.major}.{SERIES.newest.minor + 1}.0") not in SERIES.supported
+    assert all(fix.on(SERIES.newest).need is not _series.Need.NOT_APPLICABLE for fix in FIXES)
+
+
+def test_a_fix_says_where_it_is_needed_from_not_where_it_is_verified(tmp_path):
+    text = (_series.PACKAGE_DIR / "fixes" / "F2.toml").read_text()
+    assert 'releases = ">=0.18.0"\n' in text
+    path = tmp_path / "F2.toml"
+    path.write_text(text.replace('releases = ">=0.18.0"', 'releases = ">=0.18.0,<0.34.0"'))
+    with pytest.raises(ValueError, match="says where the fix is needed from .* not <0.34.0"):
+        _series.Fix.load(path)
+
+
+def test_one_verdict_in_one_vocabulary():
+    f1, f4 = SERIES.fix("F1"), SERIES.fix("F4")
+    assert f1.on(Version("0.23.0")) == _series.Verdict(_series.Need.NEEDED)
+    assert str(f1.on(Version("0.24.0"))) == "upstream since v0.24.0"
+    assert str(f4.on(Version("0.18.1"))) == (
+        "not applicable: needed on vLLM >=0.19.0, not on v0.18.1")
