@@ -28,7 +28,7 @@ from packaging.specifiers import SpecifierSet
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from vllm_patches import _series, _splice  # noqa: E402
+from vllm_patches import _series, _splice
 
 
 class _DropBounds(cst.CSTTransformer):

@@ -42,7 +42,7 @@ def test_fix_metadata_is_complete(fix):
     if fix.upstream_since is not None:
         assert fix.pr, "a fix that landed upstream names its PR"
         assert fix.on(fix.upstream_since).need is _series.Need.UPSTREAM
-        assert any(fix.on(Version(f"0.{m}.0")).needed for m in range(0, 100))
+        assert any(fix.on(Version(f"0.{m}.0")).needed for m in range(100))
 
 
 @pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
