@@ -130,7 +130,7 @@ def plan(series: _series.Series, releases: list[Version] | None,
     result: dict[Version, list[_series.Fix]] = {}
     for fix in chosen:
         lanes_needing = [r for r in sorted(series.lanes, reverse=True)
-                         if fix.verdict(r) is None and (releases is None or r in releases)]
+                         if fix.on(r).needed and (releases is None or r in releases)]
         for release in lanes_needing if releases else lanes_needing[:1]:
             result.setdefault(release, []).append(fix)
     return result

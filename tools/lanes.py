@@ -251,10 +251,10 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
     dist_root = platform_dist_info(release, lane_dir / "dist")
     problems: list[str] = []
     if not fixes:
-        log(f"v{release}: no fix applies ({'; '.join(f'{f.id} {f.verdict(release)}' for f in series.fixes)})")
+        log(f"v{release}: no fix applies ({'; '.join(f'{f.id} {f.on(release)}' for f in series.fixes)})")
     fix_tests = [t for fix in fixes for t in fix.tests]
     # Where a fix is upstream, its bug reproductions must pass on stock: proof of "upstream".
-    landed = [fix for fix in series.fixes if fix.is_upstream(release)]
+    landed = [fix for fix in series.fixes if fix.on(release).need is _series.Need.UPSTREAM]
     landed_nodes = [node for fix in landed for node in fix.stock_fails]
 
     installed = ensure_package(python)

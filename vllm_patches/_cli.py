@@ -43,7 +43,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for number, fix in enumerate(series.fixes, start=1):
         upstream = f"upstream since v{fix.upstream_since}" if fix.upstream_since else "not upstream"
         print(f"{number}. {fix.id} {fix.slug}: {fix.title}")
-        print(f"   needed on vLLM {_series.describe_releases(fix.releases_text)}; {upstream}")
+        print(f"   needed on vLLM {fix.describe_needed()}; {upstream}")
         print(f"   bug {fix.bug}" + (f"; PR {fix.pr}" if fix.pr else ""))
         if args.verbose:
             for label, text in (("What", fix.what), ("Why", fix.why), ("How", fix.how),

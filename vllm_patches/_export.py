@@ -143,10 +143,10 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Iden
     commit the release was built from instead.
     """
     wanted = series.with_requirements(fix)
-    fixes = tuple(f for f in wanted if f.verdict(release) is None)
+    fixes = tuple(f for f in wanted if f.on(release).needed)
     if fix not in fixes:
-        raise UserError(f"{fix.id} has no patch for v{release}: {fix.verdict(release)}")
-    named = tuple(f"{f.id} {f.verdict(release)}" for f in wanted if f not in fixes)
+        raise UserError(f"{fix.id} has no patch for v{release}: {fix.on(release)}")
+    named = tuple(f"{f.id} {f.on(release)}" for f in wanted if f not in fixes)
     base = _git.head(repo)
     if onto:
         base_text = f"commit {base[:12]}"
@@ -265,7 +265,7 @@ def _write(export: Export, directory: Path) -> list[Path]:
 
 def _newest_release_with(series: Series, fix: Fix) -> Version:
     for release in reversed(series.covered):
-        if fix.verdict(release) is None:
+        if fix.on(release).needed:
             return release
     raise UserError(f"{fix.id} has no patch for any covered release")
 
@@ -292,7 +292,7 @@ def command(series: Series, fix_id: str, release: Version | None, onto: str | No
             # A main clone or a development build: the patches of the covered release
             # whose files it shares most (git merges where it moved on, with --3way).
             nearest, evidence = _plan.nearest_release(checkout, series, found.hint)
-            release = nearest if fix.verdict(nearest) is None else _newest_release_with(
+            release = nearest if fix.on(nearest).needed else _newest_release_with(
                 series, fix)
             note = (f"{found.why}; using the v{release} patches ({evidence}; --release "
                     "to choose)")

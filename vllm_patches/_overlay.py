@@ -21,10 +21,12 @@ An overlay module mirrors one upstream module (``vllm_patches/v1/core/x.py`` cha
     go to class ``name`` of another overlay's upstream module (where that state lived
     before a class was split).
 
-``releases`` is a PEP 440 specifier set (``">=0.18.0,<0.24.0"``). Where one upstream
-file needs different code in different releases, the variants sit side by side in
-the overlay, each with its range; ranges of one fix's variants of a name must not
-overlap.
+``releases`` is a PEP 440 specifier set that says where the variant starts
+(``">=0.24.0"``). Where one upstream file needs different code in different releases,
+the variants sit side by side in the overlay, each with its range; ranges of one fix's
+variants of a name must not overlap, and a range ends (``">=0.20.0,<0.24.0"``) only
+where another variant of the same definition starts (``_splice.check_bounds``). How far
+the series is verified is ``series.toml``'s newest covered release, written only there.
 
 Inside an amended class, the class's own docstring describes the overlay and is
 not spliced; an assignment ``__doc__ = "..."`` (a string literal) replaces the upstream class

@@ -21,7 +21,7 @@ from vllm_patches import _git, _patchset, _releases, _series
 from vllm_patches._errors import UserError
 from vllm_patches._patchset import PATCH_AUTHOR_EMAIL, PATCH_AUTHOR_NAME
 from vllm_patches._series import Fix, Series
-from vllm_patches._splice import Overlay, splice
+from vllm_patches._splice import Overlay, check_bounds, splice
 
 # A fixed date keeps regenerated patches byte-identical.
 PATCH_DATE = "2026-11-22T00:00:00Z"
@@ -137,6 +137,7 @@ def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]
     base = _git.head(tree)
     upstream_commit = _releases.upstream_commit(tree)
     applicable = series.applicable(release)
+    check_bounds(_series.PACKAGE_DIR / overlay for fix in applicable for overlay in fix.overlays)
     with tempfile.TemporaryDirectory() as scratch:
         env = {**PATCH_COMMIT_ENV, **_git.ISOLATED_ENV, **_git.scratch_env(tree, Path(scratch))}
         _git.run(tree, "read-tree", base, env=env)
@@ -174,7 +175,7 @@ def series_file(series: Series, release: Version, patches: list[ReleasePatch]) -
         if fix.id in by_fix:
             lines.append(by_fix[fix.id].filename)
         else:
-            lines.append(f"# {fix.name}: {fix.verdict(release)}")
+            lines.append(f"# {fix.name}: {fix.on(release)}")
     return "\n".join(lines) + "\n"
 
 

@@ -41,26 +41,27 @@ from packaging.version import Version
 from vllm_patches import _git, _releases
 from vllm_patches._errors import UserError
 from vllm_patches._patchset import Blobs, Patch, PatchSet
-from vllm_patches._series import Fix, Series
+from vllm_patches._series import Fix, Need, Series
 
 if TYPE_CHECKING:  # _checkout imports this module
     from vllm_patches._checkout import Checkout
 
 
 class State(enum.Enum):
+    """Where a needed fix's patch is on the checkout (a fix not needed has ``Fix.on``'s
+    ``Need`` instead)."""
+
     APPLICABLE = "applicable"
     APPLIED = "applied"
     UNCOMMITTED = "applied, not committed"  # in the work tree, not in HEAD
     REVERTED_UNCOMMITTED = "reverted, not committed"  # in HEAD, not in the work tree
-    UPSTREAM = "upstream"
-    NOT_APPLICABLE = "not applicable"
     CONFLICT = "conflict"
 
 
 @dataclass(frozen=True)
 class FixStatus:
     fix: Fix
-    state: State
+    state: State | Need
     detail: str = ""
     patch: Patch | None = None
 
@@ -110,11 +111,9 @@ class Plan:
                 number, patch = numbered[fix.id]
                 state, detail = self._patch_state(number, patch)
                 result.append(FixStatus(fix, state, detail, patch))
-            elif fix.is_upstream(self.release):
-                result.append(FixStatus(fix, State.UPSTREAM, f"since v{fix.upstream_since}"))
             else:
-                result.append(FixStatus(fix, State.NOT_APPLICABLE, (fix.verdict(self.release) or "")
-                                        .removeprefix("not applicable: ")))
+                verdict = fix.on(self.release)
+                result.append(FixStatus(fix, verdict.need, verdict.detail))
         return result
 
     def _patch_state(self, number: int, patch: Patch) -> tuple[State, str]:

@@ -64,7 +64,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_patches import _series
 from vllm_patches._errors import UserError
 from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, FILTER_CALL_IN, HOOKS
-from vllm_patches._series import Fix, Series, describe_releases
+from vllm_patches._series import Fix, Need, Series
 
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
 ENV_FIXES = "VLLM_PATCHES_FIXES"
@@ -81,11 +81,13 @@ HOOK_WRAPPER_ATTR = "__vllm_patches_hook_wrapper__"
 logger = logging.getLogger("vllm.vllm_patches")
 
 # Per-fix states, as `doctor` and the log line show them.
+# A fix's state in this process: one of these, or, where ``Fix.on`` says the release does
+# not need it, that verdict's word (``Need.UPSTREAM.value``, ``Need.NOT_APPLICABLE.value``).
 ACTIVE = "active"
 IN_SOURCE = "in source"  # the tree already carries the patch (vllm-patches apply)
-UPSTREAM = "upstream"
-NOT_APPLICABLE = "n/a"
 NOT_SELECTED = "not selected"
+UPSTREAM = Need.UPSTREAM.value
+NOT_APPLICABLE = Need.NOT_APPLICABLE.value
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("", "0", "false", "no", "off")
@@ -164,16 +166,12 @@ def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
 
 
 def supported_releases(series: Series) -> SpecifierSet:
-    """The releases the series has been checked against: from the oldest lane's minor
-    series (X.Y.0) through the newest lane. ``vllm-patches matrix`` covers exactly these."""
-    lanes = sorted(series.lanes)
-    oldest, newest = lanes[0], lanes[-1]
-    return SpecifierSet(f">={oldest.major}.{oldest.minor}.0,<={newest}")
+    """The releases the series is verified on (``Series.supported``: through its newest)."""
+    return series.supported
 
 
 def describe_range(series: Series) -> str:
-    lanes = sorted(series.lanes)
-    return f"v{lanes[0].major}.{lanes[0].minor}.0 .. v{lanes[-1]}"
+    return series.describe_covered()
 
 
 def installed_vllm() -> tuple[str, str] | None:
@@ -237,15 +235,13 @@ def plan(series: Series, release: Version, ids: list[str]) -> list[FixState]:
     """Per fix of the series: what activation does on ``release`` (ACTIVE = install it)."""
     states = []
     for fix in series.fixes:
+        verdict = fix.on(release)
         if fix.id not in ids:
             states.append(FixState(fix, NOT_SELECTED))
-        elif fix.is_upstream(release):
-            states.append(FixState(fix, UPSTREAM, f"since v{fix.upstream_since}"))
-        elif release not in fix.releases:
-            states.append(FixState(fix, NOT_APPLICABLE,
-                                   f"needed on {describe_releases(fix.releases)}"))
-        else:
+        elif verdict.needed:
             states.append(FixState(fix, ACTIVE))
+        else:
+            states.append(FixState(fix, verdict.need.value, verdict.detail))
     return states
 
 
@@ -410,7 +406,7 @@ def install(series: Series, release: Version, ids: list[str], *,
     for fix in wanted:
         if not any(d.fix == fix.id for p in plans for d in p.definitions):
             raise ActivationError(f"{fix.id} is needed on vLLM v{release} "
-                                  f"({describe_releases(fix.releases)}) but no overlay variant "
+                                  f"({fix.describe_needed()}) but no overlay variant "
                                   "holds that release")
     for item in plans:
         try:

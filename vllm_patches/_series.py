@@ -7,6 +7,7 @@ plan). This module only loads and interprets it; tests validate it against the o
 
 from __future__ import annotations
 
+import enum
 import tomllib
 from dataclasses import dataclass
 from functools import cache, cached_property
@@ -41,6 +42,35 @@ def specifier_set(text: str) -> SpecifierSet:
     from packaging.specifiers import SpecifierSet
 
     return SpecifierSet(text)
+
+
+class Need(enum.Enum):
+    """What a fix is on a release: the one vocabulary of ``status``, ``list``, ``matrix``,
+    the patches' series files and the plugin's log line."""
+
+    NEEDED = "needed"
+    UPSTREAM = "upstream"
+    NOT_APPLICABLE = "not applicable"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``Fix.on``'s answer: the need, and for a fix not needed why (``since v0.24.0``,
+    ``needed on vLLM >=0.19.0, not on v0.18.0``)."""
+
+    need: Need
+    detail: str = ""
+
+    @property
+    def needed(self) -> bool:
+        return self.need is Need.NEEDED
+
+    def __str__(self) -> str:
+        """As the patches' series files write it: ``upstream since v0.24.0``,
+        ``not applicable: needed on ...``."""
+        if self.need is Need.NOT_APPLICABLE:
+            return f"{self.need.value}: {self.detail}"
+        return f"{self.need.value} {self.detail}".strip()
 
 
 @dataclass(frozen=True)
@@ -98,7 +128,9 @@ class Fix:
     how: str
     bug: str
     pr: str
-    releases_text: str  # the releases that need the fix (PEP 440); see ``releases``
+    # Where the fix is needed from (PEP 440 lower bounds only, see ``releases``): where it
+    # ends is ``upstream_since``, and how far it is verified is the series' (``covered``).
+    releases_text: str
     upstream_since: Version | None
     future: str
     overlays: tuple[str, ...]
@@ -113,6 +145,12 @@ class Fix:
     @classmethod
     def load(cls, path: Path) -> Fix:
         data = tomllib.loads(path.read_text())
+        upper = [clause.strip() for clause in data["releases"].split(",")
+                 if not clause.strip().startswith(">=")]
+        if upper:
+            raise ValueError(f"{path}: releases {data['releases']!r} says where the fix is needed "
+                             f"from (>= only), not {', '.join(upper)}: its end is upstream_since, "
+                             "and the newest release it is verified on is series.toml's covered")
         return cls(
             id=data["id"],
             slug=data["slug"],
@@ -164,25 +202,31 @@ class Fix:
         """The upstream tests of ``release`` whose time limits a loaded machine can miss."""
         return [entry for entry in self.timing_sensitive if entry.applies(release)]
 
-    def is_upstream(self, release: Version) -> bool:
-        return self.upstream_since is not None and release >= self.upstream_since
+    def describe_needed(self) -> str:
+        """Where the fix is needed: ``releases`` up to ``upstream_since`` (``>=0.18.0,<0.24.0``)."""
+        end = f",<{self.upstream_since}" if self.upstream_since else ""
+        return describe_releases(self.releases_text + end)
 
-    def verdict(self, release: Version) -> str | None:
-        """Why the fix is not applied to ``release`` ("upstream since ...", ...), or None."""
-        if self.is_upstream(release):
-            return f"upstream since v{self.upstream_since}"
+    def on(self, release: Version) -> Verdict:
+        """What the fix is on ``release``: every command and the runtime ask this, and only
+        this. Needed from ``releases`` on until ``upstream_since``; whether ``release`` is
+        one the series is verified on is the series' question (``Series.supported``)."""
+        if self.upstream_since is not None and release >= self.upstream_since:
+            return Verdict(Need.UPSTREAM, f"since v{self.upstream_since}")
         if release not in self.releases:
-            return (f"not applicable: needed on vLLM {describe_releases(self.releases)}, "
-                    f"not on v{release}")
-        return None
+            return Verdict(Need.NOT_APPLICABLE,
+                           f"needed on vLLM {self.describe_needed()}, not on v{release}")
+        return Verdict(Need.NEEDED)
 
 
 @dataclass(frozen=True)
 class Series:
     fixes: tuple[Fix, ...]
     # Covered releases whose tests CI runs (tools/lanes.py); the first is the default.
+    # ``load`` appends the newest covered release: it is always a lane.
     lanes: tuple[Version, ...]
-    # Every release patches/ holds a directory for, oldest first (lanes included).
+    # Every release patches/ holds a directory for, oldest first (lanes included). Its
+    # last entry is the newest release the series is verified on, written only there.
     covered: tuple[Version, ...] = ()
 
     @property
@@ -213,10 +257,24 @@ class Series:
 
     def applicable(self, release: Version) -> list[Fix]:
         """The fixes ``release`` needs, in series order."""
-        return [fix for fix in self.fixes if fix.verdict(release) is None]
+        return [fix for fix in self.fixes if fix.on(release).needed]
+
+    @property
+    def newest(self) -> Version:
+        """The newest release the series is verified on: the one upper bound of the
+        series (``covered``'s last entry). Fixes and overlay markers say where they start;
+        how far they hold is this."""
+        return self.covered[-1]
+
+    @property
+    def supported(self) -> SpecifierSet:
+        """The releases the series is verified on: the oldest covered one's minor series
+        (X.Y.0) through ``newest``. Runtime activation and ``matrix`` take this range."""
+        oldest = self.covered[0]
+        return specifier_set(f">={oldest.major}.{oldest.minor}.0,<={self.newest}")
 
     def describe_covered(self) -> str:
-        return f"v{self.covered[0]} .. v{self.covered[-1]}" if self.covered else "none"
+        return f"v{self.covered[0]} .. v{self.newest}" if self.covered else "none"
 
     def require_covered(self, release: Version) -> None:
         """Refuse a release that patches/ has no directory for (``--release`` of regen, export)."""
@@ -230,5 +288,8 @@ def load() -> Series:
     """The series as ``series.toml`` and ``fixes/*.toml`` declare it."""
     data = tomllib.loads((PACKAGE_DIR / "series.toml").read_text())
     fixes = tuple(Fix.load(PACKAGE_DIR / "fixes" / f"{fix_id}.toml") for fix_id in data["order"])
-    return Series(fixes=fixes, lanes=tuple(Version(r) for r in data["lanes"]),
-                  covered=tuple(Version(r) for r in data["covered"]))
+    covered = tuple(Version(r) for r in data["covered"])
+    lanes = tuple(Version(r) for r in data["lanes"])
+    if covered and covered[-1] not in lanes:
+        lanes += (covered[-1],)
+    return Series(fixes=fixes, lanes=lanes, covered=covered)

@@ -114,6 +114,69 @@ class Overlay:
         return sorted(chosen, key=lambda d: fixes.index(d.fix))
 
 
+# Fixes whose markers may still end at the newest verified release (``<0.34.0``) while
+# their overlays are rewritten on other branches (F2, F3: i17-f3hooks; F4: i15-f4). After
+# merging, ``tools/drop_bounds.py`` drops those bounds; then remove the fix from here
+# (tests/tool/test_splice.py says when) and the check is strict for it.
+TRANSITIONAL_BOUNDS = frozenset({"F2", "F3", "F4"})
+
+
+@dataclass(frozen=True)
+class UnstartedBound:
+    """An upper bound ``<end`` of a marker's range where no other variant of the same
+    definition starts: it can only be "the newest release verified", which is the
+    series' (``Series.newest``), written once."""
+
+    definition: OverlayDefinition
+    end: Version
+
+    def __str__(self) -> str:
+        d = self.definition
+        return (f"{d.source}: @{d.kind}({d.fix!r}, {describe_releases(d.releases)!r}) on "
+                f"{d.node.name.value}: the upper bound <{self.end} starts no other variant "
+                f"of {d.name}; a marker says where a variant starts (the newest release "
+                "verified is series.toml's last covered one; tools/drop_bounds.py drops it)")
+
+
+def unstarted_bounds(paths: Iterable[Path]) -> list[UnstartedBound]:
+    """Every upper bound in the markers of the overlay files ``paths`` that is not where
+    another variant of the same definition starts. Variants of one definition: the
+    markers of one fix linked, directly or through others, by sitting on one node or by
+    naming one class or function (a partial class written for several layouts with
+    ``name=``, a class upstream split). Only ``>=start`` and ``<end`` clauses are
+    accepted."""
+    definitions = [d for path in dict.fromkeys(paths) for d in _parse_file(path)[0]]
+    groups: list[tuple[set[object], list[OverlayDefinition]]] = []
+    for definition in definitions:
+        keys = {(definition.fix, definition.source, definition.position),
+                (definition.fix, definition.node.name.value), (definition.fix, definition.name)}
+        linked = [group for group in groups if group[0] & keys]
+        for group in linked:
+            groups.remove(group)
+            keys |= group[0]
+        groups.append((keys, [definition, *(d for group in linked for d in group[1])]))
+    found = []
+    for _, variants in groups:
+        for definition in variants:
+            starts = {Version(clause.version) for other in variants if other is not definition
+                      for clause in other.releases if clause.operator == ">="}
+            for clause in definition.releases:
+                if clause.operator not in (">=", "<"):
+                    raise SpliceError(f"{definition.source}: {definition.node.name.value}: "
+                                      f"{clause} in a marker; a range is >=start[,<end]")
+                if clause.operator == "<" and Version(clause.version) not in starts:
+                    found.append(UnstartedBound(definition, Version(clause.version)))
+    return found
+
+
+def check_bounds(paths: Iterable[Path]) -> None:
+    """Refuse a marker bound that is merely the newest verified release (see
+    ``unstarted_bounds``), except in the fixes still ``TRANSITIONAL_BOUNDS``."""
+    for bound in unstarted_bounds(paths):
+        if bound.definition.fix not in TRANSITIONAL_BOUNDS:
+            raise SpliceError(str(bound))
+
+
 def _parse_file(path: Path) -> tuple[tuple[OverlayDefinition, ...],
                                      tuple[cst.SimpleStatementLine, ...]]:
     """The marked definitions (one per marker) and the imports of one overlay file."""

@@ -62,7 +62,7 @@ def bug_expected(fix_id: str, mode: str) -> bool:
 
     fix = next(fix for fix in _series.load().fixes if fix.id == fix_id)
     version = Version(release())
-    return mode == "stock" and version in fix.releases and not fix.is_upstream(version)
+    return mode == "stock" and fix.on(version).needed
 
 
 def probe_dist_root(root: Path) -> Path:

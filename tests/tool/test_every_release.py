@@ -65,9 +65,10 @@ def test_status_on_each_cached_release(release, capsys):
     assert out.splitlines()[0] == f"{tree}: vLLM v{release}"
     for fix in SERIES.fixes:
         line = next(line for line in out.splitlines() if line.split()[0] == fix.id)
-        if fix.is_upstream(release):
+        verdict = fix.on(release)
+        if verdict.need is _series.Need.UPSTREAM:
             assert line.endswith(f"upstream (since v{fix.upstream_since})"), line
-        elif release in fix.releases:
+        elif verdict.needed:
             assert " applicable (" in line, line
         else:
             assert " not applicable (needed on vLLM " in line, line

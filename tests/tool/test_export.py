@@ -22,7 +22,7 @@ NEWEST = max(SERIES.lanes)
 NAME, EMAIL = CONTRIBUTOR_NAME, CONTRIBUTOR_EMAIL
 SIGN_OFF = f"Signed-off-by: {NAME} <{EMAIL}>"
 # A fix that needs another one, and the newest lane where that shows.
-DEPENDENT = next(fix for fix in SERIES.fixes if fix.requires and fix.verdict(NEWEST) is None)
+DEPENDENT = next(fix for fix in SERIES.fixes if fix.requires and fix.on(NEWEST).needed)
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -85,7 +85,7 @@ def test_every_fix_exports_alone_with_what_it_requires(release, contributor):
         export = _export.build(SERIES, fix, release, tree, identity)
         assert export.applies, [step.line() for step in export.steps]
         assert [f.id for f in export.fixes] == [f.id for f in SERIES.with_requirements(fix)
-                                                if f.verdict(release) is None]
+                                                if f.on(release).needed]
         for (name, text), each in zip(export.patches, export.fixes, strict=True):
             total = len(export.fixes)
             number = "" if total == 1 else f" {export.fixes.index(each) + 1}/{total}"

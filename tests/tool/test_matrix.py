@@ -34,12 +34,12 @@ def committed_row(release: Version) -> _matrix.Row:
     patched = {patch.fix.id for patch in PatchSet.load(SERIES, release).patches}
     cells = {}
     for fix in SERIES.fixes:
-        if fix.is_upstream(release):
-            cells[fix.id] = _matrix.Cell(_matrix.UPSTREAM)
-        elif fix.id in patched:
+        verdict = fix.on(release)
+        if fix.id in patched:
             cells[fix.id] = _matrix.Cell(_matrix.PATCH)
         else:
-            cells[fix.id] = _matrix.Cell(_matrix.NOT_APPLICABLE)
+            assert not verdict.needed, f"v{release} needs {fix.id}: regen"
+            cells[fix.id] = _matrix.Cell(verdict.need.value)
     return _matrix.Row(release, cells, release in SERIES.lanes)
 
 
@@ -108,7 +108,7 @@ def test_a_fix_that_does_not_splice_is_a_conflict_and_later_fixes_still_get_a_ce
 
 def test_render_and_replace_section():
     rows = [_matrix.Row(Version("0.18.0"), {"F1": _matrix.Cell(_matrix.PATCH)}, False),
-            _matrix.Row(Version("0.24.0"), {"F1": _matrix.Cell(_matrix.UPSTREAM, "since")}, True)]
+            _matrix.Row(Version("0.24.0"), {"F1": _matrix.Cell(_series.Need.UPSTREAM.value, "since")}, True)]
     series = _series.Series((SERIES.fix("F1"),), SERIES.lanes)
     section = _matrix.readme_section(series, rows)
     text = f"# x\n\nbefore\n\n{_matrix.README_BEGIN}\nold\n{_matrix.README_END}\n\nafter\n"

@@ -107,7 +107,7 @@ def new_helper():
 '''
 
 
-def make_fix(fix_id: str, overlays: list[str], releases: str = ">=0.18.0,<0.24.0",
+def make_fix(fix_id: str, overlays: list[str], releases: str = ">=0.18.0",
              upstream_since: str | None = "0.24.0") -> Fix:
     return Fix(id=fix_id, slug=f"fake-{fix_id.lower()}", title="[Test] fake", what="w", why="w",
                how="h", bug="", pr="", releases_text=releases,
@@ -371,7 +371,7 @@ def test_upstream_and_not_applicable_install_nothing(worker):
     states = worker.install(fixes, release="0.24.0")
     assert [(s.fix.id, s.state, s.detail) for s in states] == [
         ("F1", _runtime.UPSTREAM, "since v0.24.0"),
-        ("F2", _runtime.NOT_APPLICABLE, "needed on >=0.30.0")]
+        ("F2", _runtime.NOT_APPLICABLE, "needed on vLLM >=0.30.0, not on v0.24.0")]
     assert f"{PACKAGE}.core.worker" not in sys.modules
 
 
@@ -673,7 +673,7 @@ def test_the_line_names_what_is_upstream_and_what_does_not_apply():
     states = _runtime.plan(Series((f1, f4), LANES), Version("0.18.1"), ["F4"])
     assert _runtime.Activation(Version("0.18.1"), states).line() == (
         "vllm-patches on vLLM v0.18.1: active: none; upstream: none; not applicable: F4 (needed "
-        "on >=0.19.0); not selected (VLLM_PATCHES_FIXES): F1")
+        "on vLLM >=0.19.0, not on v0.18.1); not selected (VLLM_PATCHES_FIXES): F1")
 
 
 def test_the_entry_point_is_declared():

@@ -41,8 +41,8 @@ def test_fix_metadata_is_complete(fix):
     assert fix.overlays and fix.tests
     if fix.upstream_since is not None:
         assert fix.pr, "a fix that landed upstream names its PR"
-        assert fix.upstream_since not in fix.releases, "needed only before it landed"
-        assert any(Version(f"0.{m}.0") in fix.releases for m in range(0, 100))
+        assert fix.on(fix.upstream_since).need is _series.Need.UPSTREAM
+        assert any(fix.on(Version(f"0.{m}.0")).needed for m in range(100))
 
 
 @pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
@@ -103,7 +103,7 @@ def test_each_covered_release_has_one_patch_per_needed_fix(release):
     text = (_patchset.release_dir(release) / _patchset.SERIES_FILE).read_text()
     for fix in SERIES.fixes:
         if fix not in needed:
-            assert f"# {fix.name}: {fix.verdict(release)}" in text
+            assert f"# {fix.name}: {fix.on(release)}" in text
 
 
 def test_patches_dir_holds_exactly_the_covered_releases():
@@ -115,7 +115,7 @@ def test_ranges_read_lower_bound_first_everywhere(capsys):
     """Issue 11, item 10: `list` wrote <0.24.0,>=0.18.0 where README writes >=0.18.0,<0.24.0."""
     from vllm_patches._cli import main
 
-    assert _series.describe_releases(SERIES.fix("F1").releases) == ">=0.18.0,<0.24.0"
+    assert SERIES.fix("F1").describe_needed() == ">=0.18.0,<0.24.0"
     main(["list"])
     out = capsys.readouterr().out
     assert "needed on vLLM >=0.18.0,<0.24.0;" in out and "<0.24.0,>=0.18.0" not in out
@@ -139,9 +139,9 @@ def test_required_fixes_come_first_and_are_there_wherever_the_fix_is(fix):
         required = SERIES.fix(required_id)
         assert order.index(required_id) < order.index(fix.id), f"{required_id} comes later"
         for version in VERSION_GRID:
-            if fix.verdict(version) is None:
-                assert required.verdict(version) is None or required.is_upstream(version), (
-                    f"v{version} needs {fix.id} but not {required_id}: {required.verdict(version)}")
+            if fix.on(version).needed:
+                assert required.on(version).need is not _series.Need.NOT_APPLICABLE, (
+                    f"v{version} needs {fix.id} but not {required_id}: {required.on(version)}")
 
 
 def test_with_requirements_follows_requirements_of_requirements():
@@ -158,14 +158,15 @@ def test_with_requirements_follows_requirements_of_requirements():
 def test_deselects_say_why_and_name_upstream_tests_of_needed_releases(fix):
     # A fix may change the expectation of another fix's upstream suite (F3 of F2's).
     upstream_files = {test.split("::")[0] for f in FIXES for test in f.upstream_tests}
-    needed = [v for v in VERSION_GRID if fix.verdict(v) is None]
+    needed = [v for v in VERSION_GRID if fix.on(v).needed]
     for entry in (*fix.deselect, *fix.timing_sensitive, *fix.replaces):
         assert len(entry.why.split()) >= 3, f"{entry.node}: say why it is listed"
         path, _, name = entry.node.partition("::")
         assert name, f"{entry.node}: deselect test nodes, not whole files"
         assert path in upstream_files, f"{entry.node}: not under an upstream_tests file"
         assert any(v in entry.releases for v in needed), (
-            f"{entry.node}: releases {entry.releases} meet none of {fix.id}'s {fix.releases}")
+            f"{entry.node}: releases {entry.releases} meet none of {fix.id}'s "
+            f"{fix.describe_needed()}")
     for entry in fix.replaces:
         assert entry.by.split("::")[0] in fix.tests, f"{entry.node}: by= names no test of {fix.id}"
     for version in needed:  # one entry per node and release, so each says one why
@@ -228,3 +229,29 @@ def test_a_series_file_that_does_not_match_the_series_is_refused(tmp_path, monke
     series_file.write_text("\n".join(lines[:2] + lines[3:]) + "\n")  # a fix left out
     with pytest.raises(_series.UserError, match="does not match the series"):
         PatchSet.load(SERIES, release)
+
+
+def test_the_newest_covered_release_is_the_one_upper_bound():
+    """Issue 17: how far the series is verified is written once, `covered`'s last entry;
+    it is a lane, and the supported range ends there."""
+    assert SERIES.newest == SERIES.covered[-1] == SERIES.lanes[-1]
+    assert SERIES.newest in SERIES.supported
+    assert Version(f"{SERIES.newest.major}.{SERIES.newest.minor + 1}.0") not in SERIES.supported
+    assert all(fix.on(SERIES.newest).need is not _series.Need.NOT_APPLICABLE for fix in FIXES)
+
+
+def test_a_fix_says_where_it_is_needed_from_not_where_it_is_verified(tmp_path):
+    text = (_series.PACKAGE_DIR / "fixes" / "F2.toml").read_text()
+    assert 'releases = ">=0.18.0"\n' in text
+    path = tmp_path / "F2.toml"
+    path.write_text(text.replace('releases = ">=0.18.0"', 'releases = ">=0.18.0,<0.34.0"'))
+    with pytest.raises(ValueError, match="says where the fix is needed from .* not <0.34.0"):
+        _series.Fix.load(path)
+
+
+def test_one_verdict_in_one_vocabulary():
+    f1, f4 = SERIES.fix("F1"), SERIES.fix("F4")
+    assert f1.on(Version("0.23.0")) == _series.Verdict(_series.Need.NEEDED)
+    assert str(f1.on(Version("0.24.0"))) == "upstream since v0.24.0"
+    assert str(f4.on(Version("0.18.1"))) == (
+        "not applicable: needed on vLLM >=0.19.0, not on v0.18.1")

@@ -1,12 +1,23 @@
 """The splice engine on small synthetic modules: what it replaces, adds and keeps."""
 
+import shutil
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
-from vllm_patches._splice import Overlay, SpliceError, splice
+from vllm_patches import _series
+from vllm_patches._splice import (
+    TRANSITIONAL_BOUNDS,
+    Overlay,
+    SpliceError,
+    check_bounds,
+    splice,
+    unstarted_bounds,
+)
 
 UPSTREAM = textwrap.dedent('''\
     # header comment
@@ -398,3 +409,87 @@ def test_partial_classes_of_one_fix_may_share_a_release_with_disjoint_members(tm
         ''')
     with pytest.raises(SpliceError, match="two variants"):
         spliced(clash)
+
+
+# ------------------------------------------------------------------ one upper bound (issue 17)
+
+SERIES = _series.load()
+OVERLAY_PATHS = [_series.PACKAGE_DIR / o for fix in SERIES.fixes for o in fix.overlays]
+
+
+def test_a_bound_that_starts_no_variant_is_refused(tmp_path):
+    """A marker's range says where a variant starts; ``<end`` only where another variant
+    of the same definition starts. The newest verified release is the series'."""
+    path = tmp_path / "m.py"
+    path.write_text('@amend("F1", ">=0.18.0,<0.20.0")\ndef f():\n    pass\n\n\n'
+                    '@amend("F1", ">=0.20.0,<0.34.0")\ndef f():\n    pass\n')
+    bounds = unstarted_bounds([path])
+    assert [(b.definition.fix, str(b.end)) for b in bounds] == [("F1", "0.34.0")]
+    with pytest.raises(SpliceError, match=r"the upper bound <0.34.0 starts no other variant of f"):
+        check_bounds([path])
+    path.write_text(path.read_text().replace(",<0.34.0", ""))
+    check_bounds([path])
+
+
+def test_variants_linked_by_name_across_layouts_start_each_other(tmp_path):
+    """A class upstream split: the old layout's variant ends where the partial class
+    written for both layouts (``name=``) starts in the new one."""
+    old = tmp_path / "worker.py"
+    old.write_text('@amend("F3", ">=0.20.0,<0.24.0")\nclass Worker:\n    pass\n')
+    new = tmp_path / "pull_worker.py"
+    new.write_text('@amend("F3", ">=0.24.0")\n'
+                   '@amend("F3", ">=0.18.0,<0.20.0", into="worker.py", name="Worker")\n'
+                   'class PullWorker:\n    pass\n')
+    assert unstarted_bounds([old, new]) == []
+
+
+@pytest.mark.parametrize("releases", ["<=0.33.0", "==0.21.0", "~=0.21.0"])
+def test_a_range_is_a_start_and_optionally_an_end(tmp_path, releases):
+    path = tmp_path / "m.py"
+    path.write_text(f'@amend("F1", ">=0.18.0,{releases}")\ndef f():\n    pass\n')
+    with pytest.raises(SpliceError, match="a range is >=start"):
+        unstarted_bounds([path])
+
+
+def test_markers_end_only_where_a_variant_starts():
+    """Strict for every fix but those whose overlays other branches rewrite now."""
+    strict = [str(b) for b in unstarted_bounds(OVERLAY_PATHS)
+              if b.definition.fix not in TRANSITIONAL_BOUNDS]
+    assert strict == []
+
+
+@pytest.mark.parametrize("fix_id", sorted(TRANSITIONAL_BOUNDS))
+def test_transitional_fixes_still_need_it(fix_id):
+    """Flips to strict: once tools/drop_bounds.py has rewritten a fix's markers, this
+    fails until the fix leaves _splice.TRANSITIONAL_BOUNDS."""
+    assert any(b.definition.fix == fix_id for b in unstarted_bounds(OVERLAY_PATHS)), (
+        f"{fix_id}'s markers end only where variants start: remove it from "
+        "_splice.TRANSITIONAL_BOUNDS")
+
+
+def test_drop_bounds_rewrites_only_markers_and_keeps_every_selection(tmp_path):
+    """tools/drop_bounds.py on a copy of the overlays: afterwards no marker ends where no
+    variant starts, the files differ only in marker strings, and every covered release
+    selects the same definitions (so the patches are byte-identical)."""
+    root = tmp_path / "vllm_patches"
+    shutil.copytree(_series.PACKAGE_DIR, root, ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run([sys.executable, str(_series.REPO_DIR / "tools" / "drop_bounds.py"),
+                             "--root", str(root), *SERIES.ids], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    copies = [root / o for fix in SERIES.fixes for o in fix.overlays]
+    assert unstarted_bounds(copies) == []
+    for original in dict.fromkeys(OVERLAY_PATHS):
+        copy = root / original.relative_to(_series.PACKAGE_DIR)
+        changed = [(a, b) for a, b in zip(original.read_text().splitlines(),
+                                          copy.read_text().splitlines(), strict=True) if a != b]
+        assert all(a.lstrip().startswith(("@amend(", "@add(")) for a, _ in changed), changed
+        others = list(dict.fromkeys(OVERLAY_PATHS))
+        before = Overlay.parse(original, others)
+        after = Overlay.parse(copy, [root / p.relative_to(_series.PACKAGE_DIR) for p in others])
+        for release in SERIES.covered:
+            ids = [fix.id for fix in SERIES.applicable(release)]
+            assert ([(d.fix, d.name, d.node.deep_equals(e.node) and d.position == e.position)
+                     for d, e in zip(before.select(ids, release), after.select(ids, release),
+                                     strict=True)]
+                    == [(d.fix, d.name, True) for d in before.select(ids, release)]), release

@@ -8,7 +8,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm_patches._overlay import amend
 
 
-@amend("F1", ">=0.18.0,<0.24.0")
+@amend("F1", ">=0.18.0")
 class KVCacheCoordinator:
     def allocate_new_computed_blocks(
         self,

@@ -12,7 +12,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm_patches._overlay import amend
 
 
-@amend("F1", ">=0.18.0,<0.24.0")
+@amend("F1", ">=0.18.0")
 class SingleTypeKVCacheManager:
     def add_local_computed_blocks(
         self,
@@ -146,7 +146,7 @@ class SingleTypeKVCacheManager:
         )
 
 
-@amend("F1", ">=0.18.0,<0.24.0")
+@amend("F1", ">=0.18.0")
 class CrossAttentionManager:
     def add_local_computed_blocks(
         self,
