@@ -12,6 +12,12 @@ The commits are built on a base (the release's cached checkout, or the contribut
 HEAD with ``--onto``) in a scratch index and object store (``_git.scratch_env``): making
 and checking a series writes nothing into either repository. ``--onto`` then puts the
 series on the contributor's branch with ``git am``, all or nothing.
+
+Everything written is in upstream's words: commit messages and the PR description come
+from the fixes' title, Why, How and ``export.*`` metadata, which never name this
+project or its fix ids (tests/tool/test_export.py checks every fix). The description
+is the base's own pull request template filled in, its checklist ticked where the
+description does what the item asks.
 """
 
 from __future__ import annotations
@@ -32,6 +38,17 @@ from vllm_patches._series import Fix, Series
 # Plain `git am` strips the subject's [Bugfix][NIXL] tags along with [PATCH k/n].
 GIT_AM = "git am --keep-non-patch"
 COVER_FILE = "pr-description.md"
+TITLE_FILE = "pr-title.txt"
+TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
+# The sections of every covered release's template, for a base that has none.
+TEMPLATE_SECTIONS = ("Purpose", "Test Plan", "Test Result")
+# The checklist items the description does what they ask, as the templates' items open:
+# up to v0.31 its purpose, test plan and results; from v0.32 testing and validation (the
+# tests fail without the change and pass with it) and its contents (summary, links,
+# evidence, root cause and design). Design fit, code quality, AI assistance and
+# documentation are the contributor's to judge.
+FULFILLED = ("The purpose of the PR", "The test plan", "The test results",
+             "**Testing and Validation:**", "**Pull Request Contents:**")
 
 
 @dataclass(frozen=True)
@@ -90,9 +107,11 @@ class Export:
     fixes: tuple[Fix, ...]  # the series: what ``fix`` requires, then ``fix``, in series order
     named: tuple[str, ...]  # requirements not in the series, and why (upstream, not needed)
     release: Version
-    base_text: str  # the commit the series is built on, as the cover names it
+    base_text: str  # the commit the series is built on, as upstream knows it
     steps: tuple[Step, ...]
     patches: tuple[tuple[str, str], ...]  # (file name, text) as git format-patch writes them
+    template: str | None = None  # the base's pull request template, if it has one
+    upstream_tests: tuple[str, ...] = ()  # the series' upstream suites the base has
 
     @property
     def applies(self) -> bool:
@@ -137,10 +156,11 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Iden
           three_way: bool = False, onto: bool = False) -> Export:
     """``fix``'s series for ``release``, built on ``repo``'s HEAD in a scratch store.
 
-    ``onto``: ``repo`` is the contributor's checkout; its HEAD is a commit upstream
-    knows, so the patches name it (``base-commit:``). A release's cached checkout is a
-    commit of its source archive, unknown upstream: the cover names the upstream
-    commit the release was built from instead.
+    ``onto``: ``repo`` is the contributor's checkout. When its HEAD is a commit
+    upstream knows (a clone of upstream's git), the patches name it (``base-commit:``).
+    A release's source archive committed as it is (the cached checkout, or a clone of
+    it: ``_releases.is_archive_import``) is unknown upstream: the description names
+    the upstream commit the release was built from instead, and no patch names a base.
     """
     wanted = series.with_requirements(fix)
     fixes = tuple(f for f in wanted if f.on(release).needed)
@@ -148,11 +168,18 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Iden
         raise UserError(f"{fix.id} has no patch for v{release}: {fix.on(release)}")
     named = tuple(f"{f.id} {f.on(release)}" for f in wanted if f not in fixes)
     base = _git.head(repo)
-    if onto:
+    upstream_base = onto and not _releases.is_archive_import(repo)
+    if upstream_base:
         base_text = f"commit {base[:12]}"
     else:
+        version = _releases.declared_version(repo) or release
         upstream = _releases.upstream_commit(repo)
-        base_text = f"vLLM v{release}" + (f" (upstream commit {upstream})" if upstream else "")
+        base_text = f"vLLM v{version}" + (f" (upstream commit {upstream})" if upstream else "")
+    template = _git.run(repo, "show", f"{base}:{TEMPLATE}", check=False)
+    suites = tuple(dict.fromkeys(
+        suite for f in fixes for suite in f.upstream_tests
+        if _git.run(repo, "cat-file", "-e", f"{base}:{suite.partition('::')[0]}",
+                    check=False).returncode == 0))
     release_patches = _release_patches(series, release)
     steps: list[Step] = []
     patches: list[tuple[str, str]] = []
@@ -177,10 +204,11 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Iden
             out = Path(scratch) / "out"
             _git.run(repo, "format-patch", "--quiet", "-s", "--zero-commit", "--no-signature",
                      "--numbered" if len(fixes) > 1 else "--no-numbered",
-                     *([f"--base={base}"] if onto else []), "-o", str(out), f"{base}..{tip}",
-                     env=env)
+                     *([f"--base={base}"] if upstream_base else []), "-o", str(out),
+                     f"{base}..{tip}", env=env)
             patches = [(path.name, path.read_text()) for path in sorted(out.iterdir())]
-    return Export(fix, fixes, named, release, base_text, tuple(steps), tuple(patches))
+    return Export(fix, fixes, named, release, base_text, tuple(steps), tuple(patches),
+                  template.stdout if template.returncode == 0 else None, suites)
 
 
 def _add_fix(repo: Path, env: dict[str, str], base: str, fix: Fix, patch: Path,
@@ -208,33 +236,110 @@ def _unwrap(text: str) -> str:
     return "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
 
 
+def _overview(export: Export) -> str:
+    """What the series fixes in a line or two, the issue, and where it stands to the
+    upstream PR still open for it."""
+    fix = export.fix
+    text = _unwrap(fix.pr_purpose)
+    if fix.bug and fix.bug != fix.pr:
+        text += f" Fixes {fix.bug}"
+    return text + (f"\n\n{_unwrap(fix.pr_relation)}" if fix.pr_relation else "")
+
+
+def _commits(export: Export) -> str:
+    if len(export.fixes) == 1:
+        return "The commit message says why and how."
+    commits = "\n".join(f"{n}. {f.title}" for n, f in enumerate(export.fixes, start=1))
+    return (f"{len(export.fixes)} commits, each with its tests and built on the ones before "
+            f"it; each message says why and how:\n\n{commits}")
+
+
+def _claims(export: Export) -> str:
+    """One bullet per commit: its subject without the ``[Tag]`` prefixes."""
+    return "\n".join("- " + f.title.rpartition("] ")[2] for f in export.fixes)
+
+
+def _test_plan(export: Export) -> str:
+    tests = [test for f in export.fixes for test in f.tests]
+    suites = " and the existing " + ", ".join(export.upstream_tests) if export.upstream_tests else ""
+    command = "pytest -q " + " \\\n    ".join([*tests, *export.upstream_tests])
+    return (f"The new tests{suites}, on CPU, on {export.base_text}:"
+            f"\n\n```bash\n{command}\n```")
+
+
+def _test_result(export: Export) -> str:
+    release, fixes = export.release, export.fixes
+    reproducing = sum(len(f.stock_fails) for f in fixes)
+    bugs = "bugs" if len(fixes) > 1 else "bug"
+    result = (f"vLLM v{release} without this change: the {reproducing} tests that reproduce "
+              f"the {bugs} fail. With it: every new test passes.")
+    if export.upstream_tests:
+        skipped = sum(len(f.deselected(release)) for f in fixes)
+        result += (" So does " + ", ".join(f"`{suite}`" for suite in export.upstream_tests)
+                   + (f", but for {skipped} tests that cannot run on CPU offline (a GPU, "
+                      "model weights or the nixl library)" if skipped else "") + ".")
+    parts = [result]
+    for note in (n for f in fixes for n in f.replaces if n.applies(release)):
+        parts.append(f"`{note.node}` expects the old behaviour and fails with this change: "
+                     f"it {note.why}. `{note.by}` tests the new one.")
+    return "\n\n".join(parts)
+
+
+def _details(export: Export) -> str:
+    """Root cause and design of each commit, collapsed: they are its message's Why and How."""
+    blocks = [f"<details>\n<summary>{f.title}</summary>\n\n**Why.** {_unwrap(f.why)}\n\n"
+              f"**How.** {_unwrap(f.how)}\n\n</details>" for f in export.fixes]
+    return "Root cause and design of each commit, as its message gives them:\n\n" + "\n\n".join(
+        blocks)
+
+
+def _sections(export: Export) -> dict[str, str]:
+    """The text of each section the releases' templates have: Purpose, Test Plan and Test
+    Result up to v0.31; Overview, Claims, Validation and Details from v0.32."""
+    plan, result = _test_plan(export), _test_result(export)
+    return {"Purpose": f"{_overview(export)}\n\n{_commits(export)}", "Test Plan": plan,
+            "Test Result": result, "Overview": _overview(export), "Claims": _claims(export),
+            "Validation": f"{plan}\n\n{result}", "Details": _details(export)}
+
+
+def _template(export: Export) -> str:
+    return export.template or "".join(f"## {name}\n\n" for name in TEMPLATE_SECTIONS)
+
+
+def unfilled_sections(export: Export) -> list[str]:
+    """The template's sections export writes nothing into (the contributor's to fill)."""
+    known = _sections(export)
+    headings = (line[3:].strip() for line in _template(export).splitlines()
+                if line.startswith("## "))
+    return [heading for heading in headings if heading not in known]
+
+
 def cover_text(export: Export) -> str:
-    """The PR description, in the sections of upstream's pull request template."""
-    fix, fixes = export.fix, export.fixes
-    links = [f"Bug: {fix.bug}"] if fix.bug != fix.pr else []
-    links += [f"Upstream PR: {fix.pr}"] if fix.pr else []
-    overview = [fix.title, "", "## Overview", ""]
-    overview += [line for each in fixes for line in (_unwrap(each.why), "")]
-    overview.append(" · ".join(links))
-    if len(fixes) > 1:
-        required = ", ".join(f'{f.id} "{f.title}"' for f in fixes if f is not fix)
-        overview += ["", (f"{len(fixes)} commits: {fix.id} is built on {required}, applied "
-                          "first (drop those commits if they land upstream before this PR).")]
-    tests = [test for f in fixes for test in f.tests]
-    validation = [
-        "## Validation", "",
-        (f"New tests at upstream's paths. They fail on vLLM v{export.release} without this "
-         "change (the bug reproduces) and pass with it, on CPU:"), "",
-        "```bash", "pytest -q " + " \\\n    ".join(tests), "```",
-    ]
-    details = ["## Details", ""]
-    for each in fixes:
-        if len(fixes) > 1:
-            details += [f"### {each.title}", ""]
-        details += [_unwrap(each.how), ""]
-    details.append(f"Base: {export.base_text}.")
-    claims = ["## Claims", ""] + [f"- {f.title}" for f in fixes]
-    return "\n".join([*overview, "", *claims, "", *validation, "", *details]) + "\n"
+    """The PR description: the base's pull request template (the covered releases'
+    sections when it has none) filled in, in upstream's words. What the template says
+    to write is dropped where export wrote it (the text before its first section, a
+    filled section's comments); its checklist stays, the items the description does
+    what they ask (``FULFILLED``) ticked, the others (optional ones, the contributor's
+    own: AI assistance, design fit) left to the contributor."""
+    sections = _sections(export)
+    lines: list[str] = []
+    part, section = "preamble", ""
+    for line in _template(export).splitlines():
+        if line.startswith("## "):
+            part, section = "sections", line[3:].strip()
+            lines += [line, "", sections[section]] if section in sections else [line]
+            continue
+        if part == "sections" and line.startswith("---"):
+            part = "checklist"  # and the footer
+        comment = line.startswith("<!--")
+        if (part == "preamble" and line.strip() and not comment) or (
+                part == "sections" and comment and section in sections):
+            continue
+        if part == "checklist" and line.startswith("- [ ] ") and line[6:].startswith(FULFILLED):
+            line = "- [x] " + line[6:]
+        if line.strip() or (lines and lines[-1].strip()):  # no run of blank lines
+            lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def _refuse_unready(checkout: Checkout, touched: list[str]) -> None:
@@ -259,8 +364,9 @@ def _write(export: Export, directory: Path) -> list[Path]:
     for name, text in export.patches:
         (directory / name).write_text(text)
         written.append(directory / name)
+    (directory / TITLE_FILE).write_text(export.fix.series_title + "\n")
     (directory / COVER_FILE).write_text(cover_text(export))
-    return [*written, directory / COVER_FILE]
+    return [*written, directory / TITLE_FILE, directory / COVER_FILE]
 
 
 def _newest_release_with(series: Series, fix: Fix) -> Version:
@@ -314,7 +420,8 @@ def command(series: Series, fix_id: str, release: Version | None, onto: str | No
                contributor.env())
     branch = _git.run(checkout.path, "branch", "--show-current").stdout.strip() or "HEAD"
     print(f"applied onto {checkout.path} ({branch}): {len(export.patches)} commit(s), "
-          "signed off; the PR description:\n")
+          f"signed off; the PR title: {export.fix.series_title}")
+    print("the PR description:\n")
     print(cover_text(export), end="")
     return 0
 
@@ -322,6 +429,11 @@ def command(series: Series, fix_id: str, release: Version | None, onto: str | No
 def _report(export: Export, output: str | None, to_stdout: bool) -> int:
     """Per-patch lines and what was written; the mbox itself on stdout when ``to_stdout``."""
     lines = [export.summary(), *(f"  {step.line()}" for step in export.steps)]
+    if export.template is None:
+        lines.append(f"the base has no {TEMPLATE}: the description has the sections "
+                     f"{', '.join(TEMPLATE_SECTIONS)} and no checklist")
+    lines += [f"the template's section '{heading}' is yours to fill in"
+              for heading in unfilled_sections(export)]
     if not export.applies:
         print("\n".join(lines), file=sys.stderr if to_stdout else sys.stdout)
         failed = next(step for step in export.steps if step.error is not None)
@@ -331,7 +443,7 @@ def _report(export: Export, output: str | None, to_stdout: bool) -> int:
         lines.append("wrote " + ", ".join(str(path) for path in written))
         lines.append("apply it on your branch with: " + " ".join(
             [GIT_AM, *(str(path) for path in written if path.suffix == ".patch")]))
-        lines.append(f"the PR description is {written[-1]}")
+        lines.append(f"the PR title is {written[-2]}, the PR description {written[-1]}")
     elif to_stdout:
         lines.append(f"pipe it into: {GIT_AM} (-o DIR also writes the PR description)")
     print("\n".join(lines), file=sys.stderr if to_stdout else sys.stdout)

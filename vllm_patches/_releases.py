@@ -266,6 +266,15 @@ def upstream_commit(checkout: Path) -> str | None:
     return commit.removeprefix("g") if commit else None
 
 
+def is_archive_import(checkout: Path) -> bool:
+    """Whether HEAD is (or is built on) a release's source archive committed as it is,
+    as ``fetch`` makes it: such a commit tracks the build-generated ``vllm/_version.py``,
+    which upstream's history never does (its .gitignore lists it), so upstream does not
+    know the commit; ``upstream_commit`` names the one the release was built from."""
+    return _git.run(checkout, "cat-file", "-e", "HEAD:vllm/_version.py",
+                    check=False).returncode == 0
+
+
 @dataclass(frozen=True)
 class Identity:
     """What a checkout says about its release."""

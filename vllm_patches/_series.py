@@ -116,6 +116,30 @@ class UpstreamTestNote:
         return node == self.node or ("[" not in self.node and node.startswith(self.node + "["))
 
 
+def _pull_request_fields(data: dict, path: Path) -> dict[str, str]:
+    """The ``export`` keys of a fix's metadata, checked: ``purpose`` always; ``title``
+    exactly when the fix requires others (a series of several commits needs a title of
+    its own; one commit's is its subject); ``relation`` exactly when ``pr`` names an
+    upstream PR that is still open (no ``upstream_since``)."""
+    export = data.get("export", {})
+    unknown = export.keys() - {"title", "purpose", "relation"}
+    if unknown:
+        raise ValueError(f"{path}: export keys are purpose, relation, title; not "
+                         f"{', '.join(sorted(unknown))}")
+    if "purpose" not in export:
+        raise ValueError(f"{path}: export.purpose (the PR's purpose, one or two sentences) "
+                         "is missing")
+    if bool(export.get("title")) != bool(data.get("requires")):
+        raise ValueError(f"{path}: export.title is required exactly when the fix requires "
+                         "others (the title of their series)")
+    if bool(export.get("relation")) != bool(data["pr"] and not data["upstream_since"]):
+        raise ValueError(f"{path}: export.relation (one line: does the series supersede or "
+                         "complement the open PR `pr` names?) is required exactly when "
+                         "`pr` names an open upstream PR")
+    return {"pr_title": export.get("title", ""), "pr_purpose": export["purpose"].strip(),
+            "pr_relation": export.get("relation", "").strip()}
+
+
 @dataclass(frozen=True)
 class Fix:
     """One fix of the series, as its metadata file declares it."""
@@ -141,6 +165,12 @@ class Fix:
     timing_sensitive: tuple[UpstreamTestNote, ...] = ()
     replaces: tuple[UpstreamTestNote, ...] = ()
     requires: tuple[str, ...] = ()  # ids of the fixes this one is built on, applied before it
+    # The pull request `export` sends for this fix and what it requires (``export.*``):
+    # its title when that is a series of several commits, its purpose in one or two
+    # sentences, and how it relates to the open upstream PR ``pr`` names, if any.
+    pr_title: str = ""
+    pr_purpose: str = ""
+    pr_relation: str = ""
 
     @classmethod
     def load(cls, path: Path) -> Fix:
@@ -151,6 +181,7 @@ class Fix:
             raise ValueError(f"{path}: releases {data['releases']!r} says where the fix is needed "
                              f"from (>= only), not {', '.join(upper)}: its end is upstream_since, "
                              "and the newest release it is verified on is series.toml's covered")
+        pull_request = _pull_request_fields(data, path)
         return cls(
             id=data["id"],
             slug=data["slug"],
@@ -172,11 +203,18 @@ class Fix:
             timing_sensitive=UpstreamTestNote.load_all(data.get("timing_sensitive", []), path,
                                                        "timing_sensitive"),
             replaces=UpstreamTestNote.load_all(data.get("replaces", []), path, "replaces"),
+            **pull_request,
         )
 
     @cached_property
     def releases(self) -> SpecifierSet:
         return specifier_set(self.releases_text)
+
+    @property
+    def series_title(self) -> str:
+        """The title of the pull request `export` sends for this fix: its commit subject,
+        or, when it sends the fixes it requires too, the title that covers them all."""
+        return self.pr_title or self.title
 
     @property
     def name(self) -> str:

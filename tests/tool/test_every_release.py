@@ -94,7 +94,7 @@ def test_the_whole_cycle_on_a_release_that_is_not_a_lane(release, tmp_path, caps
     for fix in needed:
         target = tmp_path / f"export-{fix.id}"
         code, _, _ = run(capsys, "export", fix.id, "--release", f"v{release}", "-o", str(target))
-        assert code == EXIT_OK and f"Base: vLLM v{release}" in (
+        assert code == EXIT_OK and f"on vLLM v{release} (upstream commit " in (
             target / "pr-description.md").read_text()
     code, out, _ = run(capsys, "revert", str(checkout))
     assert code == EXIT_OK

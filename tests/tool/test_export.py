@@ -7,7 +7,9 @@ main cannot be fetched here; that tree stands in for it).
 
 import hashlib
 import os
+import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -109,8 +111,9 @@ def test_exported_series_git_am_cleanly_with_tags_sign_off_and_tests(contributor
         fixes = SERIES.with_requirements(fix)
         assert len(patches) == len(fixes)
         cover = (output / _export.COVER_FILE).read_text()
-        assert cover.startswith(fix.title + "\n") and "## Validation" in cover
-        assert fix.pr in cover or fix.bug in cover
+        assert (output / _export.TITLE_FILE).read_text() == fix.series_title + "\n"
+        assert "```bash\npytest -q " in cover
+        assert f"#{fix.pr.rsplit('/', 1)[-1]}" in cover or fix.bug in cover
         assert f"v{NEWEST} (upstream commit " in cover
 
         git(any_clone, "am", "--quiet", "--keep-non-patch", *patches)
@@ -158,7 +161,8 @@ def test_onto_applies_signed_off_commits_on_the_branch(contributor, any_clone, c
     assert subjects(vllm_clone, base) == [f.title for f in fixes]
     assert SIGN_OFF in git(vllm_clone, "log", "-1", "--format=%b")
     assert git(vllm_clone, "status", "--porcelain") == ""
-    assert "## Overview" in out  # the PR description, ready to paste
+    assert f"the PR title: {DEPENDENT.series_title}" in out
+    assert "- [x] " in out and "pytest -q " in out  # the PR description, ready to paste
     if not (vllm_clone / "vllm" / "_version.py").exists():
         assert f"using the v{NEWEST} patches" in out
 
@@ -283,3 +287,146 @@ def test_bad_input(contributor, capsys, tmp_path):
     (occupied / "old.patch").write_text("")
     code, _, err = run(capsys, "export", "F4", "-o", str(occupied))
     assert code == EXIT_BAD_INPUT and "not an empty directory" in err
+
+
+# What upstream has never seen: this project's fix ids and its name.
+PROJECT_WORDS = re.compile(r"\bF\d+\b|vllm[-_]patches", re.IGNORECASE)
+
+
+def export_dir(capsys, tmp_path, fix, *extra: str, name: str = "") -> tuple[Path, str]:
+    """``export FIX EXTRA -o DIR``: DIR and what export printed."""
+    output = tmp_path / (name or f"out-{fix.id}")
+    code, out, err = run(capsys, "export", fix.id, *extra, "-o", str(output))
+    assert code == EXIT_OK, out + err
+    return output, out
+
+
+def test_what_export_writes_is_in_upstreams_words(contributor, tmp_path, capsys):
+    """Commit messages, diffs (overlay docstrings, fix tests), PR title and description of
+    every fix's series name no fix id and not this project: they come from metadata
+    written for upstream, which the same rule holds for (a fix no lane exports too)."""
+    for fix in SERIES.fixes:
+        for field in (fix.title, fix.why, fix.how, fix.pr_title, fix.pr_purpose,
+                      fix.pr_relation, *(note.why for note in fix.replaces)):
+            assert not PROJECT_WORDS.search(field), (fix.id, PROJECT_WORDS.search(field))
+    for fix in SERIES.applicable(NEWEST):
+        output, _ = export_dir(capsys, tmp_path, fix, "--release", f"v{NEWEST}")
+        for path in output.iterdir():
+            found = PROJECT_WORDS.search(path.read_text())
+            assert not found, f"{path.name}: {found.group()!r}"
+
+
+def template_checklist(template: str) -> list[str]:
+    return [line[6:] for line in template.splitlines() if line.startswith("- [ ] ")]
+
+
+@pytest.mark.parametrize("release", [r for r in SERIES.lanes if DEPENDENT.on(r).needed],
+                         ids=str)
+def test_the_description_is_the_bases_template_filled_in(release, contributor, tmp_path,
+                                                         capsys):
+    """Upstream's sections in its order (they changed in v0.32), a purpose of a line or
+    two first, no instruction left where export wrote, and the checklist block with the
+    items the description does what they ask ticked, the others left."""
+    template = (_releases.fetch(release) / _export.TEMPLATE).read_text()
+    output, _ = export_dir(capsys, tmp_path, DEPENDENT, "--release", f"v{release}")
+    cover = (output / _export.COVER_FILE).read_text()
+    headings = [line for line in cover.splitlines() if line.startswith("## ")]
+    assert headings == [line for line in template.splitlines() if line.startswith("## ")]
+    assert "PLEASE FILL IN" not in cover and "<!-- Summarize" not in cover
+    summary = next(line for line in template.splitlines() if line.startswith("<summary>"))
+    assert summary in cover
+    assert cover.rstrip().endswith(template.rstrip().splitlines()[-1])  # BEFORE SUBMITTING
+    items = template_checklist(template)
+    ticked = [item.startswith(_export.FULFILLED) for item in items]
+    assert any(ticked) and not all(ticked)
+    for item, tick in zip(items, ticked, strict=True):
+        assert f"- [{'x' if tick else ' '}] {item}" in cover
+    purpose = cover.split(headings[0] + "\n\n")[1].split("\n\n")[0]
+    assert purpose == " ".join(DEPENDENT.pr_purpose.split()) and len(purpose) < 400
+    for fix in SERIES.with_requirements(DEPENDENT):
+        assert fix.title.rpartition("] ")[2] in cover
+    assert "```bash\npytest -q " + SERIES.with_requirements(DEPENDENT)[0].tests[0] in cover
+
+
+def test_the_template_is_the_bases_own(contributor, vllm_clone, tmp_path, capsys):
+    """A base whose template has another section and item: those are kept (the section
+    left to the contributor, said so); a base with none gets upstream's sections."""
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    path = vllm_clone / _export.TEMPLATE
+    template = path.read_text().replace("\n---\n", "\n## AI Assistance\n\n---\n", 1).replace(
+        "</details>", "- [ ] The AI assistance used, if any.\n</details>")
+    path.write_text(template)
+    git(vllm_clone, "commit", "--quiet", "-am", "template")
+    output, out = export_dir(capsys, tmp_path, fix, "--onto", str(vllm_clone), "--check")
+    cover = (output / _export.COVER_FILE).read_text()
+    assert cover.count("## AI Assistance\n\n---\n") == 1
+    assert "- [ ] The AI assistance used, if any." in cover
+    assert "the template's section 'AI Assistance' is yours to fill in" in out
+    git(vllm_clone, "rm", "--quiet", _export.TEMPLATE)
+    git(vllm_clone, "commit", "--quiet", "-m", "no template")
+    output, out = export_dir(capsys, tmp_path, fix, "--onto", str(vllm_clone), "--check",
+                             name="bare")
+    assert f"the base has no {_export.TEMPLATE}" in out
+    cover = (output / _export.COVER_FILE).read_text()
+    assert [line for line in cover.splitlines() if line.startswith("## ")] == [
+        f"## {name}" for name in _export.TEMPLATE_SECTIONS]
+    assert "- [" not in cover
+
+
+def test_a_series_is_titled_for_the_series(contributor, tmp_path, capsys):
+    """The PR of a fix that brings others is not titled by its last commit: the title
+    covers the series (``export.title``, which a fix that requires others must have)."""
+    output, _ = export_dir(capsys, tmp_path, DEPENDENT, "--release", f"v{NEWEST}")
+    title = (output / _export.TITLE_FILE).read_text().strip()
+    assert title == DEPENDENT.pr_title
+    assert title not in {f.title for f in SERIES.with_requirements(DEPENDENT)}
+    single = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    assert single.series_title == single.title
+
+
+@pytest.mark.parametrize(("key", "message"), [
+    ("title", "export.title is required exactly when the fix requires others"),
+    ("relation", "export.relation (one line: does the series supersede or complement"),
+    ("purpose", "export.purpose (the PR's purpose, one or two sentences) is missing"),
+])
+def test_pull_request_metadata_is_checked(key, message, tmp_path):
+    """A series of several commits needs its own title, a fix whose upstream PR is open
+    must say how it relates to it, and every fix needs its PR's purpose."""
+    path = _series.PACKAGE_DIR / "fixes" / f"{DEPENDENT.id}.toml"
+    data = tomllib.loads(path.read_text())
+    del data["export"][key]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _series._pull_request_fields(data, path)
+
+
+def test_the_description_says_how_the_series_relates_to_the_open_pr(contributor, tmp_path,
+                                                                     capsys):
+    """A fix whose upstream PR is still open says, in one line, whether the series
+    supersedes or complements it."""
+    open_pr = [f for f in SERIES.applicable(NEWEST) if f.pr and not f.upstream_since]
+    assert open_pr
+    for fix in open_pr:
+        output, _ = export_dir(capsys, tmp_path, fix, "--release", f"v{NEWEST}")
+        cover = (output / _export.COVER_FILE).read_text()
+        number = fix.pr.rsplit("/", 1)[-1]
+        (line,) = [line for line in cover.splitlines() if f"#{number}" in line]
+        assert re.match(rf"(Supersedes|Complements) .*#{number}", line), line
+
+
+def test_onto_an_archive_clone_names_the_upstream_commit_not_its_own(contributor, any_clone,
+                                                                     tmp_path, capsys):
+    """A clone of a release's source archive (as fetch makes it) has a HEAD upstream
+    never saw: the description names the commit the release was built from, and no
+    patch says base-commit. A clone of upstream's git (main) has a HEAD upstream knows:
+    its patches carry base-commit."""
+    head = git(any_clone, "rev-parse", "HEAD").strip()
+    output, _ = export_dir(capsys, tmp_path, DEPENDENT, "--onto", str(any_clone), "--check")
+    patches = [p.read_text() for p in sorted(output.glob("*.patch"))]
+    cover = (output / _export.COVER_FILE).read_text()
+    if (any_clone / "vllm" / "_version.py").exists():
+        upstream = _releases.upstream_commit(any_clone)
+        assert upstream and f"v{NEWEST} (upstream commit {upstream})" in cover
+        assert head[:12] not in cover and not any("base-commit:" in p for p in patches)
+    else:
+        assert f"commit {head[:12]}" in cover
+        assert f"base-commit: {head}" in patches[0]  # git format-patch: the first message

@@ -71,8 +71,9 @@ class Request:
     expiry: float = 0.0
     counted: int = 0  # notifications counted since registration
     sent: int = 0  # notifications the decoders sent
-    # Notifications held back for the other readers (F2), from the first counted;
-    # None before. ``all_readers``: every sibling was registered by then.
+    # Notifications held back for the other readers of a parallel-sampling sibling,
+    # from the first counted; None before. ``all_readers``: every sibling was
+    # registered by then.
     hold: int | None = None
     all_readers: bool = False
 
@@ -83,7 +84,8 @@ class Request:
 
 @dataclass
 class Model:
-    """What the patched producer must do (F2 + F3), independent of its code."""
+    """What the patched producer must do (sibling release and early-notification
+    staging), independent of its code."""
 
     limit: int
     lease_extension: float

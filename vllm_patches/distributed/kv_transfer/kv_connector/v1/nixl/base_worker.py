@@ -205,7 +205,7 @@ class NixlBaseConnectorWorker:
         A registering request's staged count moves to
         ``consumer_notification_counts_by_req``, where later notifications keep
         counting, less the reads of a parallel-sampling sibling that other
-        decode children still make (F2); one whose count is already complete is
+        decode children still make; one whose count is already complete is
         released as soon as it registers to send (finished: only then may the
         scheduler free its blocks), with its siblings. Entries of aborted
         requests are dropped. Costs O(requests in ``metadata``), never a scan
