@@ -55,14 +55,21 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _plan(args: argparse.Namespace, verb: str, three_way: bool = False):
+def _plan(checkout, args: argparse.Namespace, verb: str, three_way: bool = False):
     from vllm_patches import _plan, _series
-    from vllm_patches._checkout import Checkout
 
     series = _series.load()
-    checkout = Checkout.open(Path(args.checkout))
     release = _plan.resolve_release(checkout, series, args.release, verb)
     return _plan.make(checkout, series, release, three_way)
+
+
+def _opened(args: argparse.Namespace, verb: str, writes: bool):
+    """The checkout under its repository's lock (``_checkout.opened``) for the verb."""
+    from vllm_patches import _checkout
+
+    check = getattr(args, "check", False)
+    return _checkout.opened(Path(args.checkout), verb + (" --check" if check else ""),
+                            writes=writes and not check)
 
 
 def _print_plan(plan) -> None:
@@ -77,8 +84,9 @@ def _print_plan(plan) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from vllm_patches._plan import State
 
-    plan = _plan(args, "status", args.three_way)
-    _print_plan(plan)
+    with _opened(args, "status", writes=False) as checkout:
+        plan = _plan(checkout, args, "status", args.three_way)
+        _print_plan(plan)
     return EXIT_REFUSED if any(s.state is State.CONFLICT for s in plan.statuses) else EXIT_OK
 
 
@@ -101,17 +109,19 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
     if args.checkout is None:
         args.checkout = str(_default_checkout(args.release))
-    plan = _plan(args, "apply", args.three_way)
-    done, after = _checkout.apply(plan, commit=not args.no_commit, check=args.check)
-    return _report(after, done, args.check, "applies", "apply")
+    with _opened(args, "apply", writes=True) as checkout:
+        plan = _plan(checkout, args, "apply", args.three_way)
+        done, after = _checkout.apply(plan, commit=not args.no_commit, check=args.check)
+        return _report(after, done, args.check, "applies", "apply")
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     from vllm_patches import _checkout
 
-    plan = _plan(args, "revert")
-    done, after = _checkout.revert(plan, commit=not args.no_commit, check=args.check)
-    return _report(after, done, args.check, "reverts", "revert")
+    with _opened(args, "revert", writes=True) as checkout:
+        plan = _plan(checkout, args, "revert")
+        done, after = _checkout.revert(plan, commit=not args.no_commit, check=args.check)
+        return _report(after, done, args.check, "reverts", "revert")
 
 
 def _report(plan, done, check: bool, verb: str, noun: str) -> int:

@@ -51,13 +51,15 @@ def count_git_calls(monkeypatch) -> list[tuple[str, ...]]:
 
 def test_status_and_apply_of_a_release_run_few_git_commands(checkout, monkeypatch, capsys):
     """Item 8: the plan is computed once, from the committed blob ids: status is three
-    git commands, apply adds git am (and the identity lookup) and nothing else."""
+    git commands (and HEAD read again once the repository's lock is held: issue 19),
+    apply adds git am (and the identity lookup) and nothing else."""
     calls = count_git_calls(monkeypatch)
     assert main(["status", str(checkout)]) == EXIT_OK
-    assert [c[0] for c in calls] == ["rev-parse", "ls-tree", "status"]
+    assert [c[0] for c in calls] == ["rev-parse", "rev-parse", "ls-tree", "status"]
     calls.clear()
     assert main(["apply", str(checkout)]) == EXIT_OK
-    assert [c[0] for c in calls] == ["rev-parse", "ls-tree", "status", "config", "am"]
+    assert [c[0] for c in calls] == ["rev-parse", "rev-parse", "ls-tree", "status", "config",
+                                     "am"]
     assert "done: F1, F2, F3, F4" in capsys.readouterr().out
 
 
