@@ -43,7 +43,8 @@ def race(*runs: tuple[str, Path]) -> list[tuple[str, int, str, str]]:
 def reset(checkout: Path, base: str) -> None:
     """Back to the pristine clone, whatever a round (on unlocked code) left behind."""
     git_dir = checkout / ".git"
-    subprocess.run(["git", "-C", str(checkout), "am", "--abort"], capture_output=True)
+    subprocess.run(["git", "-C", str(checkout), "am", "--abort"], capture_output=True,
+                   check=False)
     shutil.rmtree(git_dir / "rebase-apply", ignore_errors=True)
     git(checkout, "reset", "-q", "--hard", base)
     git(checkout, "update-ref", "-d", "ORIG_HEAD")
