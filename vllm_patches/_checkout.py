@@ -58,6 +58,9 @@ class Checkout:
     @classmethod
     def open(cls, given: Path) -> Checkout:
         path = given.resolve()
+        if path.is_file():
+            raise UserError(f"{given}: a file, not a directory (name the top directory of "
+                            "your vLLM git checkout)")
         if not path.is_dir():
             raise UserError(f"{given}: no such directory")
         proc = _git.run(path, "rev-parse", "--show-toplevel", "--absolute-git-dir",

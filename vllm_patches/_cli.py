@@ -6,9 +6,12 @@ is in progress, the checkout is the tool's cache, patches/ is stale; `matrix`: a
 release needs a fix that does not splice there, or the index has a release the series
 does not cover; `doctor`: a known-bad combination, or the plugin would stop vLLM from
 starting); 2 bad input (bad arguments, not a git repository, not a vLLM tree, a release
-the series does not cover or that cannot be told). Output cut short by a closed pipe
-(``vllm-patches list -v | head``) ends quietly with 141, as a shell reports a command
-killed by SIGPIPE.
+the series does not cover or that cannot be told). A reader that leaves early
+(``vllm-patches list -v | head``) changes no exit code: the rest of the output is
+dropped and the verb ends with its own code. Whether a write fails depends on timing
+(output that fits the pipe's buffer is written before ``head`` leaves), so 141, as a
+shell reports a command killed by SIGPIPE, would tell a script when its reader left,
+not whether the command did its job.
 
 Each verb imports what it needs when it runs: `--help`, `list` and `status` never load
 libcst (splicing, for regen and matrix) or the network modules.
@@ -24,16 +27,44 @@ from pathlib import Path
 from vllm_patches._errors import Refused, UserError
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
-EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE
+
+
+class _ReaderMayLeave:
+    """stdout whose reader may go away (``| head``): from the first write that finds the
+    pipe closed on, output goes to /dev/null and the verb runs on to its own exit code."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _drop_the_rest(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop_the_rest()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop_the_rest()
+            self._stream.flush()  # what was buffered goes to /dev/null
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def _release_arg(text: str):
-    from vllm_patches import _releases
+    from vllm_patches import _releases, _series
 
     try:
         return _releases.parse_release(text)
     except UserError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(
+            f"{exc}; the series covers {_series.load().describe_covered()}") from None
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -352,19 +383,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stdout, sys.stdout = sys.stdout, _ReaderMayLeave(sys.stdout)
     try:
         args = build_parser().parse_args(argv)
-        code = args.func(args)
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
-        return code
+        return args.func(args)
     except Refused as exc:
         print(f"vllm-patches: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except UserError as exc:
         print(f"vllm-patches: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except BrokenPipeError:
-        # The reader left (`| head`): stop quietly. stdout is pointed at /dev/null so
-        # that Python's flush at exit does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+    finally:
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        sys.stdout = stdout

@@ -299,7 +299,7 @@ def _onto(series: Series, fix: Fix, release: Version | None, checkout: Checkout,
         if release is None:
             # A main clone or a development build: the patches of the covered release
             # whose files it shares most (git merges where it moved on, with --3way).
-            nearest, evidence = _plan.nearest_release(checkout, series, found.hint)
+            nearest, evidence, _exact = _plan.nearest_release(checkout, series, found.hint)
             release = nearest if fix.verdict(nearest) is None else _newest_release_with(
                 series, fix)
             note = (f"{found.why}; using the v{release} patches ({evidence}; --release "
