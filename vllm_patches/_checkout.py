@@ -7,14 +7,19 @@ is in progress (``git am``, rebase, merge, cherry-pick, revert: their state is t
 user's work), when the checkout is the tool's own cache of a release (only ``fetch``
 changes it), and when files the series touches carry changes that are not the series'
 own. A git command that fails midway is rolled back to where the operation started.
+Every verb opens the checkout under its repository's lock (``opened``, ``_lock``): a
+second run on the same repository waits for the first, or refuses, before it reads
+anything its plan is made of.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_patches import _git, _releases
+from vllm_patches import _git, _lock, _releases
 from vllm_patches._errors import Refused, UserError
 from vllm_patches._git import GitError
 from vllm_patches._patchset import PATCH_AUTHOR_EMAIL, PATCH_AUTHOR_NAME, Blobs
@@ -47,17 +52,21 @@ class Checkout:
 
     path: Path
     git_dir: Path
+    common_dir: Path  # the repository's own git directory, shared by its worktrees
     head: str
 
     @classmethod
     def open(cls, given: Path) -> Checkout:
         path = given.resolve()
+        if path.is_file():
+            raise UserError(f"{given}: a file, not a directory (name the top directory of "
+                            "your vLLM git checkout)")
         if not path.is_dir():
             raise UserError(f"{given}: no such directory")
-        proc = _git.run(path, "rev-parse", "--show-toplevel", "--absolute-git-dir", "HEAD",
-                        check=False)
+        proc = _git.run(path, "rev-parse", "--show-toplevel", "--absolute-git-dir",
+                        "--git-common-dir", "HEAD", check=False)
         lines = proc.stdout.splitlines()
-        if len(lines) < 2:
+        if len(lines) < 3:
             raise UserError(f"{given}: not a git repository (git init && git add -A && "
                             "git commit it first)")
         if Path(lines[0]) != path:
@@ -66,7 +75,7 @@ class Checkout:
             raise UserError(f"{given}: not a vLLM source tree (no vllm/v1/)")
         if proc.returncode != 0:
             raise UserError(f"{given}: the repository has no commit yet")
-        return cls(path, Path(lines[1]), lines[2])
+        return cls(path, Path(lines[1]), (path / lines[2]).resolve(), lines[3])
 
     def operation_in_progress(self) -> str | None:
         """The user's git operation under way here, as a refusal; None when there is none."""
@@ -128,6 +137,16 @@ class Checkout:
         blobs: Blobs = dict.fromkeys(paths)
         blobs.update(zip(present, ids, strict=True))
         return blobs
+
+
+@contextmanager
+def opened(given: Path, verb: str, *, writes: bool) -> Iterator[Checkout]:
+    """The checkout at ``given``, under its repository's lock for the block (exclusive
+    when the verb ``writes``, shared for a reader): opened again once the lock is held,
+    so that the HEAD its plan and a rollback use is the one no other run moves."""
+    found = Checkout.open(given)
+    with _lock.hold(found.common_dir, found.path, verb, shared=not writes):
+        yield Checkout.open(given)
 
 
 def _require_changeable(plan: Plan) -> None:

@@ -2,13 +2,19 @@
 
 Exit codes: 0 done (or nothing to do, or a --check that passed); 1 refused (a patch
 conflicts, files the series touches have local changes, a git operation of the user's
-is in progress, the checkout is the tool's cache, patches/ is stale; `matrix`: a
-release needs a fix that does not splice there, or the index has a release the series
-does not cover; `doctor`: a known-bad combination, or the plugin would stop vLLM from
-starting); 2 bad input (bad arguments, not a git repository, not a vLLM tree, a release
-the series does not cover or that cannot be told). Output cut short by a closed pipe
-(``vllm-patches list -v | head``) ends quietly with 141, as a shell reports a command
-killed by SIGPIPE.
+is in progress, another vllm-patches run still holds the repository after the wait
+(``_lock``), the checkout is the tool's cache, patches/ is stale; `matrix`: a release
+needs a fix that does not splice there, or the index has a release the series does not
+cover; `doctor`: a known-bad combination, or the plugin would stop vLLM from starting;
+without vLLM in its Python doctor warns that no fix is or would be active, and exits 0);
+2 bad input (bad arguments, a file or missing path, not a git repository, not a vLLM
+tree, a release that is not vX.Y.Z, that the series does not cover, that cannot be
+told, or that the checkout's own release contradicts). A reader that leaves early
+(``vllm-patches list -v | head``) changes no exit code: the rest of the output is
+dropped and the verb ends with its own code. Whether a write fails depends on timing
+(output that fits the pipe's buffer is written before ``head`` leaves), so 141, as a
+shell reports a command killed by SIGPIPE, would tell a script when its reader left,
+not whether the command did its job.
 
 Each verb imports what it needs when it runs: `--help`, `list` and `status` never load
 libcst (splicing, for regen and matrix) or the network modules.
@@ -24,16 +30,44 @@ from pathlib import Path
 from vllm_patches._errors import Refused, UserError
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
-EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE
+
+
+class _ReaderMayLeave:
+    """stdout whose reader may go away (``| head``): from the first write that finds the
+    pipe closed on, output goes to /dev/null and the verb runs on to its own exit code."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _drop_the_rest(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop_the_rest()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop_the_rest()
+            self._stream.flush()  # what was buffered goes to /dev/null
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def _release_arg(text: str):
-    from vllm_patches import _releases
+    from vllm_patches import _releases, _series
 
     try:
         return _releases.parse_release(text)
     except UserError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(
+            f"{exc}; the series covers {_series.load().describe_covered()}") from None
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -55,14 +89,21 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _plan(args: argparse.Namespace, verb: str, three_way: bool = False):
+def _plan(checkout, args: argparse.Namespace, verb: str, three_way: bool = False):
     from vllm_patches import _plan, _series
-    from vllm_patches._checkout import Checkout
 
     series = _series.load()
-    checkout = Checkout.open(Path(args.checkout))
     release = _plan.resolve_release(checkout, series, args.release, verb)
     return _plan.make(checkout, series, release, three_way)
+
+
+def _opened(args: argparse.Namespace, verb: str, writes: bool):
+    """The checkout under its repository's lock (``_checkout.opened``) for the verb."""
+    from vllm_patches import _checkout
+
+    check = getattr(args, "check", False)
+    return _checkout.opened(Path(args.checkout), verb + (" --check" if check else ""),
+                            writes=writes and not check)
 
 
 def _print_plan(plan) -> None:
@@ -77,8 +118,9 @@ def _print_plan(plan) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from vllm_patches._plan import State
 
-    plan = _plan(args, "status", args.three_way)
-    _print_plan(plan)
+    with _opened(args, "status", writes=False) as checkout:
+        plan = _plan(checkout, args, "status", args.three_way)
+        _print_plan(plan)
     return EXIT_REFUSED if any(s.state is State.CONFLICT for s in plan.statuses) else EXIT_OK
 
 
@@ -101,17 +143,19 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
     if args.checkout is None:
         args.checkout = str(_default_checkout(args.release))
-    plan = _plan(args, "apply", args.three_way)
-    done, after = _checkout.apply(plan, commit=not args.no_commit, check=args.check)
-    return _report(after, done, args.check, "applies", "apply")
+    with _opened(args, "apply", writes=True) as checkout:
+        plan = _plan(checkout, args, "apply", args.three_way)
+        done, after = _checkout.apply(plan, commit=not args.no_commit, check=args.check)
+        return _report(after, done, args.check, "applies", "apply")
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     from vllm_patches import _checkout
 
-    plan = _plan(args, "revert")
-    done, after = _checkout.revert(plan, commit=not args.no_commit, check=args.check)
-    return _report(after, done, args.check, "reverts", "revert")
+    with _opened(args, "revert", writes=True) as checkout:
+        plan = _plan(checkout, args, "revert")
+        done, after = _checkout.revert(plan, commit=not args.no_commit, check=args.check)
+        return _report(after, done, args.check, "reverts", "revert")
 
 
 def _report(plan, done, check: bool, verb: str, noun: str) -> int:
@@ -342,19 +386,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stdout, sys.stdout = sys.stdout, _ReaderMayLeave(sys.stdout)
     try:
         args = build_parser().parse_args(argv)
-        code = args.func(args)
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
-        return code
+        return args.func(args)
     except Refused as exc:
         print(f"vllm-patches: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except UserError as exc:
         print(f"vllm-patches: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except BrokenPipeError:
-        # The reader left (`| head`): stop quietly. stdout is pointed at /dev/null so
-        # that Python's flush at exit does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+    finally:
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        sys.stdout = stdout

@@ -22,6 +22,9 @@ from vllm_patches import _runtime, _series
 from vllm_patches._errors import UserError
 
 OK, WARN, BAD = "ok", "warning", "BAD"
+# Without vLLM in this Python there is nothing the fixes could break or mend: a warning
+# (exit 0), as when the plugin does not run; the words say that no fix is active here.
+NO_VLLM = "vLLM is not installed in this Python; run doctor with the Python that runs vLLM"
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,9 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
         if name in environ]
     lines.append("environment: " + (", ".join(variables) or "no VLLM_PATCHES_* or VLLM_PLUGINS"))
     findings: list[Finding] = []
-    if vllm is not None:
+    if vllm is None:
+        findings.append(Finding(WARN, NO_VLLM))
+    else:
         activation, found, how = _activation(environ, load, registered, vllm[1])
         findings += found
         if activation is not None and activation.disabled:
@@ -184,6 +189,7 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
     lines.append("checks:")
     lines += [finding.line() for finding in findings] or ["  ok: nothing to check"]
     bad = any(finding.level == BAD for finding in findings)
-    lines.append("result: " + ("known-bad combination or refusal found" if bad else "no known "
-                               "problem"))
+    lines.append("result: " + ("known-bad combination or refusal found" if bad
+                               else "no fix is or would be active here: vLLM is not installed" if vllm is None
+                               else "no known problem"))
     return lines, bad

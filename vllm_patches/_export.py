@@ -30,7 +30,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from vllm_patches import _git, _plan, _releases, _series
-from vllm_patches._checkout import Checkout, git_am
+from vllm_patches._checkout import Checkout, git_am, opened
 from vllm_patches._errors import Refused, UserError
 from vllm_patches._patchset import PatchSet
 from vllm_patches._series import Fix, Series
@@ -389,7 +389,15 @@ def command(series: Series, fix_id: str, release: Version | None, onto: str | No
         export = build(series, fix, release, _releases.fetch(release), identity)
         return _report(export, output, to_stdout=output is None)
 
-    checkout = Checkout.open(Path(onto))  # refuses what is not a vLLM git checkout
+    # Refuses what is not a vLLM git checkout; locked like `apply` (_lock).
+    with opened(Path(onto), "export --onto" + (" --check" if check else ""),
+                writes=not check) as checkout:
+        return _onto(series, fix, release, checkout, output, three_way, check)
+
+
+def _onto(series: Series, fix: Fix, release: Version | None, checkout: Checkout,
+          output: str | None, three_way: bool, check: bool) -> int:
+    """`export --onto`, on a checkout whose lock the caller holds."""
     note = None
     if release is None:
         found = _releases.identify(checkout.path)
@@ -397,7 +405,7 @@ def command(series: Series, fix_id: str, release: Version | None, onto: str | No
         if release is None:
             # A main clone or a development build: the patches of the covered release
             # whose files it shares most (git merges where it moved on, with --3way).
-            nearest, evidence = _plan.nearest_release(checkout, series, found.hint)
+            nearest, evidence, _exact = _plan.nearest_release(checkout, series, found.hint)
             release = nearest if fix.on(nearest).needed else _newest_release_with(
                 series, fix)
             note = (f"{found.why}; using the v{release} patches ({evidence}; --release "

@@ -333,34 +333,50 @@ class _Trial:
 
 def resolve_release(checkout: Checkout, series: Series, given: Version | None,
                     verb: str) -> Version:
-    """The covered release ``checkout`` is (``given`` wins); else one line that names the
-    covered release it resembles most and the command to run with it."""
+    """The covered release ``checkout`` is; else one line that names the covered release
+    it resembles most and the command to run with it.
+
+    ``given`` (``--release``) is for a checkout that does not say its release, or says
+    one the series does not cover (a newer release: `--release v0.33.0 --3way`). A
+    checkout that says a covered release is that release: a ``given`` other than it is
+    refused, naming what the checkout says, rather than planning another release's
+    patches on it."""
+    identity = _releases.identify(checkout.path)
+    said = identity.release
+    if given is not None and said is not None and said != given and said in series.covered:
+        covered = "" if given in series.covered else (
+            f", which is not a release the series covers ({series.describe_covered()})")
+        raise UserError(f"{checkout.path}: it is vLLM v{said} ({identity.source} says so), "
+                        f"not --release v{given}{covered}; drop --release (it is for a "
+                        f"checkout that does not say its release)")
     if given is not None:
         if given in series.covered:
             return given
         raise _uncovered(checkout, series, f"vLLM v{given} is not a release the series "
                          f"covers ({series.describe_covered()})", given, verb)
-    identity = _releases.identify(checkout.path)
-    if identity.release in series.covered:
-        return identity.release
-    if identity.release is not None:
-        raise _uncovered(checkout, series, f"vLLM v{identity.release} is not a release the "
-                         f"series covers ({series.describe_covered()})", identity.release, verb)
+    if said in series.covered:
+        return said
+    if said is not None:
+        raise _uncovered(checkout, series, f"vLLM v{said} is not a release the "
+                         f"series covers ({series.describe_covered()})", said, verb)
     raise _uncovered(checkout, series, identity.why, identity.hint, verb)
 
 
 def _uncovered(checkout: Checkout, series: Series, why: str, hint: Version | None,
                verb: str) -> UserError:
-    nearest, evidence = nearest_release(checkout, series, hint)
+    """``--3way`` is advised only where the checkout's files differ from the release's."""
+    nearest, evidence, exact = nearest_release(checkout, series, hint)
+    three_way = "" if exact else " --3way"
     return UserError(f"{checkout.path}: {why}; it resembles v{nearest} ({evidence}): run "
-                     f"`vllm-patches {verb} --release v{nearest} --3way {checkout.path}`")
+                     f"`vllm-patches {verb} --release v{nearest}{three_way} {checkout.path}`")
 
 
 def nearest_release(checkout: Checkout, series: Series,
-                    hint: Version | None) -> tuple[Version, str]:
+                    hint: Version | None) -> tuple[Version, str, bool]:
     """The covered release whose files the checkout shares most (any position of its
     series counts), ties and no shared file going to the newest release at or before
-    ``hint`` (a version or release tag the checkout carries); with the evidence, in words."""
+    ``hint`` (a version or release tag the checkout carries); with the evidence, in words,
+    and whether every file its patches change is as in that release."""
     patchsets = []
     for release in series.covered:
         try:
@@ -380,8 +396,11 @@ def nearest_release(checkout: Checkout, series: Series,
     best = max(series.covered, key=lambda r: (scores.get(r, (0, 0))[0], r == preferred, r))
     count, total = scores.get(best, (0, 0))
     if count:
-        return best, f"{count} of the {total} files its patches change are as in v{best}"
+        return (best, f"{count} of the {total} files its patches change are as in v{best}",
+                count == total)
     if hint is not None:
         return preferred, (f"no file its patches change is as in a covered release; "
-                           f"v{preferred} is the newest covered release at or before {hint}")
-    return preferred, "no file its patches change is as in a covered release; the newest one"
+                           f"v{preferred} is the newest covered release at or before "
+                           f"{hint}"), False
+    return preferred, ("no file its patches change is as in a covered release; the newest "
+                       "one"), False

@@ -51,11 +51,16 @@ def cache_root() -> Path:
 
 
 def parse_release(text: str) -> Version:
-    """``v0.21.0`` or ``0.21.0`` -> Version; a clear error otherwise."""
+    """``v0.21.0`` or ``0.21.0`` -> Version; a clear error otherwise. A release has three
+    numbers: ``0.21`` would equal ``0.21.0`` as a PEP 440 version, but no tag, archive
+    or ``patches/`` directory is named so."""
     try:
-        return Version(text.strip().removeprefix("v"))
+        version = Version(text.strip().removeprefix("v"))
     except InvalidVersion:
-        raise UserError(f"not a vLLM release: {text!r} (expected e.g. v0.21.0)") from None
+        version = None
+    if version is None or len(version.release) != 3:
+        raise UserError(f"not a vLLM release: {text!r} (a release is vX.Y.Z, e.g. v0.21.0)")
+    return version
 
 
 def release_tag(version: Version) -> str:
@@ -283,6 +288,7 @@ class Identity:
     hint: Version | None  # else the version it is nearest to (a development build's, the
     #                       last release tag before HEAD), when it names one
     why: str  # why the release cannot be told ("" when it can)
+    source: str = ""  # what says the release ("vllm/_version.py", "its tag v0.21.0")
 
 
 def declared_version(checkout: Path) -> Version | None:
@@ -305,10 +311,10 @@ def identify(checkout: Path) -> Identity:
         if declared.is_devrelease or declared.is_prerelease:
             return Identity(None, declared, f"vLLM {declared} is a development build, "
                                             "not a release")
-        return Identity(Version(declared.base_version), None, "")
+        return Identity(Version(declared.base_version), None, "", "vllm/_version.py")
     for tag in _git.tags_at_head(checkout):
         try:
-            return Identity(parse_release(tag), None, "")
+            return Identity(parse_release(tag), None, "", f"its tag {tag}")
         except UserError:
             continue
     described = _git.run(checkout, "describe", "--tags", "--abbrev=0", "--match", "v[0-9]*",

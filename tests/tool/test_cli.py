@@ -246,6 +246,8 @@ def test_failed_revert_commit_is_rolled_back(checkout, capsys, monkeypatch):
     "make_target, message",
     [
         (lambda tmp, co: tmp / "missing", "no such directory"),
+        # Issue 19, item 6: a file was "no such directory".
+        (lambda tmp, co: co / "setup.py", "setup.py: a file, not a directory"),
         (lambda tmp, co: tmp, "not a git repository"),
         (lambda tmp, co: co / "vllm", "not the top of its git repository"),
     ],
@@ -271,7 +273,7 @@ def test_uncovered_and_unknown_releases(checkout, capsys):
     before = snapshot(checkout)
     code, _, err = run(capsys, "apply", "--release", "v0.17.0", str(checkout))
     assert code == EXIT_BAD_INPUT and "not a release the series covers (v0.18.0 .. " in err
-    assert "it resembles v0.21.0" in err and "--release v0.21.0 --3way" in err
+    assert "it is vLLM v0.21.0 (vllm/_version.py says so)" in err and "--3way" not in err
     assert len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, "apply", "--release", "banana", str(checkout))
     assert code == EXIT_BAD_INPUT
@@ -287,10 +289,44 @@ def test_undetectable_release_names_the_nearest_and_the_command(checkout, capsys
     code, _, err = run(capsys, "status", str(checkout))
     assert code == EXIT_BAD_INPUT and "cannot tell which vLLM release this is" in err
     assert "it resembles v0.21.0 (" in err
-    assert f"run `vllm-patches status --release v0.21.0 --3way {checkout}`" in err
+    # Every file the patches change is as in v0.21.0: they apply without --3way.
+    assert f"run `vllm-patches status --release v0.21.0 {checkout}`" in err
     assert len(err.strip().splitlines()) == 1
     code, out, _ = run(capsys, "status", "--release", "v0.21.0", str(checkout))
     assert code == EXIT_OK and "applicable" in out
+    # Issue 19, item 6: an uncovered --release named the range but advised --3way.
+    code, _, err = run(capsys, "status", "--release", "v9.9.9", str(checkout))
+    assert code == EXIT_BAD_INPUT and len(err.strip().splitlines()) == 1
+    assert "vLLM v9.9.9 is not a release the series covers (v0.18.0 .. v0.33.0)" in err
+    assert f"run `vllm-patches status --release v0.21.0 {checkout}`" in err, err
+    coordinator = checkout / COORDINATOR  # an edited context line: --3way merges there
+    coordinator.write_text(coordinator.read_text().replace(CONTEXT_LINE, CONTEXT_LINE + " "))
+    git(checkout, "commit", "-qam", "edit a context line")
+    code, _, err = run(capsys, "status", str(checkout))
+    assert f"run `vllm-patches status --release v0.21.0 --3way {checkout}`" in err, err
+
+
+def test_a_release_is_three_numbers(checkout, capsys):
+    """Issue 19, item 6: `--release 0.21` (equal to 0.21.0 as a PEP 440 version) was told
+    to run `regen`, a developer verb."""
+    code, _, err = run(capsys, "status", "--release", "0.21", str(checkout))
+    assert code == EXIT_BAD_INPUT and len(err.strip().splitlines()) == 1, err
+    assert "not a vLLM release: '0.21' (a release is vX.Y.Z, e.g. v0.21.0)" in err
+    assert "the series covers v0.18.0 .. v0.33.0" in err and "regen" not in err
+
+
+@pytest.mark.parametrize("given", ["v9.9.9", "v0.20.0"])
+def test_a_release_the_checkout_contradicts_is_refused(checkout, capsys, given):
+    """Issue 19, item 6: `--release v9.9.9` on a v0.21.0 tree was advised `--3way`
+    although every file matches; a covered --release other than the checkout's own
+    planned that release's patches on it."""
+    before = snapshot(checkout)
+    code, _, err = run(capsys, "apply", "--release", given, str(checkout))
+    assert code == EXIT_BAD_INPUT and len(err.strip().splitlines()) == 1, err
+    assert (f"it is vLLM v0.21.0 (vllm/_version.py says so), not --release {given}" in err)
+    assert "drop --release" in err and "--3way" not in err
+    assert ("(v0.18.0 .. v0.33.0)" in err) == (given == "v9.9.9")
+    assert snapshot(checkout) == before
 
 
 def test_a_development_build_names_the_release_before_it(checkout, capsys):
@@ -300,7 +336,7 @@ def test_a_development_build_names_the_release_before_it(checkout, capsys):
     code, _, err = run(capsys, "apply", str(checkout))
     assert code == EXIT_BAD_INPUT
     assert "vLLM 0.22.0.dev12+g1234abc is a development build, not a release" in err
-    assert "it resembles v0.21.0" in err and "apply --release v0.21.0 --3way" in err
+    assert "it resembles v0.21.0" in err and f"apply --release v0.21.0 {checkout}" in err
 
 
 def test_staged_changes_elsewhere_refuse_git_am(checkout, capsys):

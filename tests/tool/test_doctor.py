@@ -43,10 +43,15 @@ def doctor(capsys, *args):
 
 
 def test_without_vllm(dists, capsys):
+    """Issue 19, item 6: it ended "no known problem" without saying that no fix is active.
+    A warning, exit 0: nothing in this Python would break vLLM."""
     code, out, _ = doctor(capsys)
     assert code == EXIT_OK
     assert "vLLM: not installed" in out and "kvcached: not installed" in out
-    assert "fixes on" not in out and out.rstrip().endswith("result: no known problem")
+    assert "fixes on" not in out and "no known problem" not in out
+    assert "warning: vLLM is not installed in this Python; run doctor with the Python" in out
+    assert out.splitlines()[-1] == ("result: no fix is or would be active here: vLLM is not "
+                                    "installed")
 
 
 def test_old_kvcached_with_tensor_parallelism_is_known_bad(dists, capsys):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from vllm_patches import _git, _series
-from vllm_patches._cli import EXIT_OK, main
+from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
 
 # Modules only regen/matrix (libcst), fetch (the network, archives) or comparing a range
 # (packaging.specifiers) need. (pathlib imports urllib.parse, argparse shutil.)
@@ -51,24 +51,45 @@ def count_git_calls(monkeypatch) -> list[tuple[str, ...]]:
 
 def test_status_and_apply_of_a_release_run_few_git_commands(checkout, monkeypatch, capsys):
     """Item 8: the plan is computed once, from the committed blob ids: status is three
-    git commands, apply adds git am (and the identity lookup) and nothing else."""
+    git commands (and HEAD read again once the repository's lock is held: issue 19),
+    apply adds git am (and the identity lookup) and nothing else."""
     calls = count_git_calls(monkeypatch)
     assert main(["status", str(checkout)]) == EXIT_OK
-    assert [c[0] for c in calls] == ["rev-parse", "ls-tree", "status"]
+    assert [c[0] for c in calls] == ["rev-parse", "rev-parse", "ls-tree", "status"]
     calls.clear()
     assert main(["apply", str(checkout)]) == EXIT_OK
-    assert [c[0] for c in calls] == ["rev-parse", "ls-tree", "status", "config", "am"]
+    assert [c[0] for c in calls] == ["rev-parse", "rev-parse", "ls-tree", "status", "config",
+                                     "am"]
     assert "done: F1, F2, F3, F4" in capsys.readouterr().out
 
 
-def test_a_closed_pipe_ends_quietly():
-    """Item 6: `vllm-patches list -v | head` ended in a BrokenPipeError traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_patches", "list", "-v"], env=ENV,
+def closed_pipe_run(*argv: str, read_lines: int) -> tuple[int, str]:
+    """Run the command with a reader that reads ``read_lines`` lines of stdout and leaves."""
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_patches", *argv], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.stdout.close()  # the reader is gone before the first line is written
+    for _ in range(read_lines):
+        proc.stdout.readline()
+    proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait() == 141  # 128 + SIGPIPE, as a shell reports it
-    assert err == ""
+    return proc.wait(), err
+
+
+@pytest.mark.parametrize("read_lines", [0, 1])
+def test_a_reader_that_leaves_changes_no_exit_code(read_lines):
+    """Issue 11, item 6: `vllm-patches list -v | head` ended in a BrokenPipeError
+    traceback. Issue 19, item 6: README promised 141, but `list -v` fits the pipe's
+    buffer and exited 0 unless the reader left before the first write: the code told
+    when the reader left. It is now the verb's own, whenever the reader leaves."""
+    assert closed_pipe_run("list", "-v", read_lines=read_lines) == (EXIT_OK, "")
+
+
+def test_a_cut_short_refusal_keeps_its_exit_code(checkout):
+    coordinator = checkout / "vllm/v1/core/kv_cache_coordinator.py"
+    line = "            num_local_computed_tokens: The number of local computed tokens."
+    coordinator.write_text(coordinator.read_text().replace(line, line + " "))
+    subprocess.run(["git", "-C", str(checkout), "commit", "-qam", "a context line"],
+                   check=True)
+    assert closed_pipe_run("status", str(checkout), read_lines=0) == (EXIT_REFUSED, "")
 
 
 def test_bad_arguments_are_one_line(capsys):
