@@ -784,7 +784,12 @@ def on_v0_33_1(fake, tmp_path, monkeypatch):
     for name in ("VLLM_PATCHES_DISABLE", "VLLM_PATCHES_FIXES", "VLLM_PATCHES_STRICT",
                  "VLLM_PATCHES_ALLOW_UNSUPPORTED"):
         monkeypatch.delenv(name, raising=False)
-    fake.install_source = lambda source: fake.module("core.worker", source)
+
+    def install_source(source: str) -> None:
+        fake.module("core.worker", source)
+        importlib.invalidate_caches()  # sys.path named the folder before it existed
+
+    fake.install_source = install_source
     return fake
 
 
