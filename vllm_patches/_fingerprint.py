@@ -38,6 +38,7 @@ FILE = "fingerprints"
 HEADER = "# vllm-patches fingerprints of vLLM"  # the file's first line
 ABSENT = "absent"
 NO_FILE = "no file"  # the target's module has no source file
+UNPARSABLE = "unparsable"  # its source is no Python this interpreter parses
 DIGITS = 16  # of the sha256: 64 bits tell apart any two versions of one definition
 
 # fix id -> target ("v1/core/x.py:Class.member", the overlay path and the qualified
@@ -148,17 +149,16 @@ def targets(series: Series, release: Version, root: Path) -> dict[str, list[tupl
 
 def compute(series: Series, release: Version, root: Path, read: Reader) -> Fingerprints:
     """Fix id -> target -> fingerprint of the code ``read`` gives for each target module."""
-    trees: dict[str, ast.Module | None] = {}
+    trees: dict[str, ast.Module | str] = {}  # a tree, or why there is none
     result: Fingerprints = {}
     for fix_id, named in targets(series, release, root).items():
         result[fix_id] = {}
         for overlay, qualified in named:
             if overlay not in trees:
-                source = read(overlay)
-                trees[overlay] = None if source is None else ast.parse(source)
+                trees[overlay] = _parse(read(overlay))
             tree = trees[overlay]
-            if tree is None:
-                result[fix_id][f"{overlay}:{qualified}"] = NO_FILE
+            if isinstance(tree, str):
+                result[fix_id][f"{overlay}:{qualified}"] = tree
                 continue
             top, _, member = qualified.partition(".")
             nodes = _binding(tree.body, top)
@@ -169,6 +169,15 @@ def compute(series: Series, release: Version, root: Path, read: Reader) -> Finge
                 nodes = [_class_statement(node) for node in nodes]
             result[fix_id][f"{overlay}:{qualified}"] = fingerprint(nodes)
     return result
+
+
+def _parse(source: str | None) -> ast.Module | str:
+    if source is None:
+        return NO_FILE
+    try:
+        return ast.parse(source)
+    except (SyntaxError, ValueError):
+        return UNPARSABLE
 
 
 def render(release: Version, found: Fingerprints) -> str:
@@ -241,6 +250,7 @@ def differences(expected: Fingerprints, actual: Fingerprints, ids: list[str]) ->
             if found != value:
                 where.setdefault(target, []).append(fix_id)
                 how[target] = "no source file" if found == NO_FILE else \
+                    "source not parsable" if found == UNPARSABLE else \
                     "no longer defined" if found == ABSENT else \
                     "now defined" if value == ABSENT else "changed"
     return [f"{target} ({', '.join(fixes)}: {how[target]})" for target, fixes in where.items()]

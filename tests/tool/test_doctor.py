@@ -133,15 +133,15 @@ def test_a_patch_release_verified_identical_at_every_target(v0_33_1, capsys):
 
 
 def test_a_patch_release_that_differs_is_not_active(v0_33_1, capsys, monkeypatch):
-    overlay = "v1/simple_kv_offload/worker.py"
-    v0_33_1[overlay] = lambda text: text.replace("def register_kv_caches(",
-                                                 "def register_kv_caches(\n        self_=None,", 1)
+    overlay = "distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py"
+    v0_33_1[overlay] = lambda text: text.replace("    def start_load_kv(self, ",
+                                                 "    def start_load_kv(self, *, extra=None, ", 1)
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
     assert "  BAD: NOT active on vLLM 0.33.1: F2, F3, F4; vLLM starts without the fixes " \
            "(VLLM_PATCHES_STRICT=1 stops it instead). Why: vLLM v0.33.1 is not a covered " \
            "release, and its code differs from v0.33.0's at " \
-           f"{overlay}:SimpleCPUOffloadWorker.register_kv_caches (F4: changed);" in out
+           f"{overlay}:NixlPullConnectorWorker.start_load_kv (F2: changed);" in out
     assert "fixes on" not in out
     monkeypatch.setenv("VLLM_PATCHES_STRICT", "1")
     code, out, _ = doctor(capsys)

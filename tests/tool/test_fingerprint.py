@@ -67,3 +67,12 @@ def test_a_fingerprint_is_the_code_not_its_layout():
 def test_the_candidate_is_the_newest_covered_release_of_the_minor_series(release, candidate):
     expected = Version(candidate) if candidate else None
     assert _fingerprint.candidate(SERIES, Version(release)) == expected
+
+
+def test_an_unreadable_installation_never_matches():
+    for source, value in ((None, _fingerprint.NO_FILE), ("def (", _fingerprint.UNPARSABLE)):
+        found = _fingerprint.compute(SERIES, RELEASE, _series.PACKAGE_DIR, lambda _, text=source: text)
+        assert {v for by_target in found.values() for v in by_target.values()} == {value}
+        differ = _fingerprint.differences(_fingerprint.recorded(RELEASE), found, SERIES.ids)
+        assert differ and all(d.endswith(("no source file)", "source not parsable)"))
+                              for d in differ)
