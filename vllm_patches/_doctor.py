@@ -203,7 +203,7 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
         findings += found
         if activation is not None and activation.disabled:
             findings.append(Finding(WARN, f"{_runtime.ENV_DISABLE} is set: no fix is active"))
-        elif activation is not None:
+        elif activation is not None and activation.failure is None:
             shown = activation.basis.describe() if activation.basis else f"v{activation.release}"
             lines.append(f"fixes on vLLM {shown}, {how}:")
             for state in activation.states:

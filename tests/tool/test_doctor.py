@@ -174,6 +174,18 @@ def test_what_is_active_in_this_python(dists, capsys, monkeypatch):
     assert "  F1 two-phase-computed-block-allocation: active" in out
 
 
+def test_fixes_not_active_in_this_python(dists, capsys, monkeypatch):
+    """Where the plugin ran and started vLLM without the fixes, doctor says so, exit 1."""
+    dists("vllm", "0.33.1")
+    dists("vllm_patches", "0.1.0", PLUGIN)
+    monkeypatch.setattr(_runtime, "_CURRENT", _runtime.Activation(
+        None, [], failure="why", installed="0.33.1", not_active=["F2"]))
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED and "fixes on" not in out
+    assert "  BAD: NOT active on vLLM 0.33.1: F2; vLLM starts without the fixes " \
+           "(VLLM_PATCHES_STRICT=1 stops it instead). Why: why" in out
+
+
 def test_bad_tensor_parallel_size(dists, capsys):
     code, _, err = doctor(capsys, "-tp", "0")
     assert code == EXIT_BAD_INPUT and "must be 1 or more" in err
