@@ -200,7 +200,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
             files = _patches.render(series, release, _releases.fetch(release))
         existing = _patchset.committed(release)
         if files == existing:
-            print(f"v{release}: up to date ({len(files) - 1} patches)")
+            print(f"v{release}: up to date ({_patch_count(files)} patches)")
             continue
         if args.check:
             changed = sorted(name for name in files.keys() | existing.keys()
@@ -213,10 +213,14 @@ def cmd_regen(args: argparse.Namespace) -> int:
             (directory / name).unlink()
         for name, text in files.items():
             (directory / name).write_text(text)
-        print(f"v{release}: wrote {len(files) - 1} patches to {directory}")
+        print(f"v{release}: wrote {_patch_count(files)} patches to {directory}")
     if stale:
         raise Refused("patches/ is stale, run `vllm-patches regen`: " + "; ".join(stale))
     return EXIT_OK
+
+
+def _patch_count(files: dict[str, str]) -> int:
+    return sum(name.endswith(".patch") for name in files)
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:

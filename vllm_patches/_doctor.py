@@ -108,19 +108,21 @@ def _activation(environ: Mapping[str, str], load: bool, registered: bool,
     """(the activation, findings, how it was obtained) for this Python."""
     activation = _runtime.current()
     if activation is not None:
-        return activation, [], "active in this Python"
+        return activation, policy(activation, registered), "active in this Python"
     if load and importlib.util.find_spec("vllm") is not None:
         try:
             from vllm.plugins import load_general_plugins
 
             load_general_plugins()
         except UserError as exc:
-            return None, [Finding(BAD, f"vLLM would not start: {exc}")], ""
+            return None, [Finding(BAD, f"vLLM would not start ({_runtime.ENV_STRICT}=1 or a "
+                                       f"half-installed fix): {exc}")], ""
         except Exception as exc:  # noqa: BLE001 - another plugin, or vLLM itself
             return None, [Finding(BAD, f"loading vLLM's general plugins failed: {exc!r}")], ""
         activation = _runtime.current()
         if activation is not None:
-            return activation, [], "active in this Python, through vLLM's plugin loader"
+            return activation, policy(activation, registered), \
+                "active in this Python, through vLLM's plugin loader"
         allowed = environ.get("VLLM_PLUGINS")
         why = (f"VLLM_PLUGINS={allowed!r} leaves out {_runtime.ENTRY_POINT_NAME}"
                if allowed is not None and _runtime.ENTRY_POINT_NAME not in allowed.split(",")
@@ -132,18 +134,44 @@ def _activation(environ: Mapping[str, str], load: bool, registered: bool,
         findings = [] if not load else [Finding(WARN, "vLLM is installed but not importable "
                                                       "in this Python; showing the plan")]
     series = _series.load()
+    ids, strict = series.ids, None
     try:
+        strict = _runtime.env_flag(environ, _runtime.ENV_STRICT)
         if _runtime.env_flag(environ, _runtime.ENV_DISABLE):
             return _runtime.Activation(None, [], disabled=True), findings, "plan"
         ids = _runtime.selected_ids(series, environ)
-        release = _runtime.release_of(
-            version, series,
-            _runtime.env_flag(environ, _runtime.ENV_ALLOW_UNSUPPORTED))
+        basis = _runtime.release_basis(
+            version, series, ids, _runtime.env_flag(environ, _runtime.ENV_ALLOW_UNSUPPORTED))
     except UserError as exc:
-        level = BAD if registered else WARN
-        return None, [*findings, Finding(level, f"the plugin refuses: {exc}")], ""
-    return _runtime.Activation(release, _runtime.plan(series, release, ids)), findings, \
+        reason = str(exc).removeprefix("vllm-patches: ")
+        if strict is not False:  # set, or unreadable: the plugin raises
+            return None, [*findings, Finding(BAD if registered else WARN, (
+                f"vLLM would not start ({_runtime.ENV_STRICT}): {reason}"))], ""
+        refused = _runtime.Activation(
+            None, [], failure=reason, installed=version,
+            not_active=_runtime.needed_fixes(series, ids, _runtime.base_release(version)))
+        return None, [*findings, *policy(refused, registered)], ""
+    activation = _runtime.Activation(basis.release, _runtime.plan(series, basis.release, ids),
+                                     basis=basis)
+    return activation, [*findings, *policy(activation, registered)], \
         "would be activated by the plugin (not loaded here)"
+
+
+def policy(activation: _runtime.Activation, registered: bool) -> list[Finding]:
+    """What the release policy did: fixes NOT active (BAD where the plugin runs: exit 1),
+    activated on a release that is not covered (verified, or at the operator's risk)."""
+    basis = activation.basis
+    if activation.failure is not None:
+        return [Finding(BAD if registered else WARN, activation.line().removeprefix(
+            "vllm-patches: "))]
+    if basis is not None and basis.how == _runtime.VERIFIED:
+        return [Finding(OK, f"vLLM v{basis.installed} is not a covered release; verified "
+                            f"identical to v{basis.release} at every target ({basis.why}): "
+                            f"the fixes run as on v{basis.release}")]
+    if basis is not None and basis.how == _runtime.AT_OWN_RISK:
+        return [Finding(WARN, f"vLLM v{basis.installed}: {basis.why}; the fixes are activated "
+                              f"anyway by {_runtime.ENV_ALLOW_UNSUPPORTED}=1, at your own risk")]
+    return []
 
 
 def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] | None = None,
@@ -163,11 +191,13 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
         lines.append(f"{bad.package}: {installed_version(bad.package) or 'not installed'}")
     lines.append(f"tensor parallelism: "
                  f"{tensor_parallel_size if tensor_parallel_size else 'not given'}")
-    lines.append(f"supported vLLM releases: {_runtime.describe_range(series)}")
+    lines.append(f"covered vLLM releases: {series.describe_covered()} (and later releases of "
+                 "their minor series whose code at every target equals one's)")
     lines.append("vllm_patches plugin: " + ("registered" if registered else "not registered "
                  "(install this package with pip to activate the fixes in vLLM processes)"))
     variables = [f"{name}={environ[name]}" for name in (
-        _runtime.ENV_DISABLE, _runtime.ENV_FIXES, _runtime.ENV_ALLOW_UNSUPPORTED, "VLLM_PLUGINS")
+        _runtime.ENV_DISABLE, _runtime.ENV_FIXES, _runtime.ENV_STRICT,
+        _runtime.ENV_ALLOW_UNSUPPORTED, "VLLM_PLUGINS")
         if name in environ]
     lines.append("environment: " + (", ".join(variables) or "no VLLM_PATCHES_* or VLLM_PLUGINS"))
     findings: list[Finding] = []
@@ -178,8 +208,9 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
         findings += found
         if activation is not None and activation.disabled:
             findings.append(Finding(WARN, f"{_runtime.ENV_DISABLE} is set: no fix is active"))
-        elif activation is not None:
-            lines.append(f"fixes on vLLM v{activation.release}, {how}:")
+        elif activation is not None and activation.failure is None:
+            shown = activation.basis.describe() if activation.basis else f"v{activation.release}"
+            lines.append(f"fixes on vLLM {shown}, {how}:")
             for state in activation.states:
                 shown = state.state if state.state != _runtime.ACTIVE or "not loaded" not in how \
                     else "would be active"
@@ -189,7 +220,8 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
     lines.append("checks:")
     lines += [finding.line() for finding in findings] or ["  ok: nothing to check"]
     bad = any(finding.level == BAD for finding in findings)
-    lines.append("result: " + ("known-bad combination or refusal found" if bad
-                               else "no fix is or would be active here: vLLM is not installed" if vllm is None
+    lines.append("result: " + ("known-bad combination, or fixes NOT active, found" if bad
+                               else "no fix is or would be active here: vLLM is not installed"
+                               if vllm is None
                                else "no known problem"))
     return lines, bad

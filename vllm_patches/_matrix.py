@@ -7,9 +7,9 @@ overlays do not splice: a missing definition or file, unformatted output) or ``n
 variant`` (the release needs the fix, but no overlay variant's range holds it).
 The rows are the covered releases (``series.toml``): every release with a source
 archive on the index within the supported range (``Series.supported``), so
-the matrix also says what runtime activation does on each release it accepts. A
-release of that range on the index that the list lacks is reported (a new patch
-release: cover it).
+the matrix also says what runtime activation does on each covered release. A release
+of that range on the index that the list lacks is reported (a new patch release:
+cover it).
 """
 
 from __future__ import annotations
@@ -132,8 +132,10 @@ def readme_section(series: Series, rows: list[Row]) -> str:
              "against that release, committed in `patches/vX.Y.Z/` and applies cleanly (lanes "
              "also run the tests), `upstream` that the release has the fix, `not applicable` that "
              "it does not need it. `status`, `apply`, `revert` and `export` accept exactly these releases; "
-             "runtime activation accepts their range, and `vllm-patches matrix` reports a "
-             "release of the range that the list lacks.")
+             "runtime activation runs on them, and on a later release of their minor series "
+             "only where its code at every target is verified identical (\"Runtime "
+             "activation\"); `vllm-patches matrix` reports a release of the range that the "
+             "list lacks.")
     return (f"{README_BEGIN}\n{textwrap.fill(intro, 92, break_on_hyphens=False)}\n\n"
             f"{render(series, rows)}{README_END}")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _git, _patchset, _releases, _series
+from vllm_patches import _fingerprint, _git, _patchset, _releases, _series
 from vllm_patches._errors import UserError
 from vllm_patches._patchset import PATCH_AUTHOR_EMAIL, PATCH_AUTHOR_NAME
 from vllm_patches._series import Fix, Series
@@ -180,8 +180,11 @@ def series_file(series: Series, release: Version, patches: list[ReleasePatch]) -
 
 
 def render(series: Series, release: Version, tree: Path) -> dict[str, str]:
-    """File name -> content of ``patches/v<release>/``."""
+    """File name -> content of ``patches/v<release>/``: the patches, the series file and
+    the fingerprints of the fixes' targets."""
     patches = generate(series, release, tree)
     files = {patch.filename: patch.text for patch in patches}
     files[_patchset.SERIES_FILE] = series_file(series, release, patches)
+    # What the runtime compares an uncovered release's installed code with (_fingerprint).
+    files[_fingerprint.FILE] = _fingerprint.of_tree(series, release, tree, _git.head(tree))
     return files

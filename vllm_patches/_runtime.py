@@ -25,16 +25,32 @@ How a fix is installed mirrors the static splice (``_splice``) exactly:
   in its module, at its file and line; an amended module function replaces the module's binding
   and every same-named binding of it in loaded modules; ``@add`` binds a new name.
 
-Anything unexpected is an ``ActivationError``, raised into vLLM, which then fails to
-start: an unsupported release, a missing module or symbol, a postcondition that does
-not hold. Nothing is skipped with a log line. Only the standard library and
-``packaging`` are imported at module level: vLLM logs and skips a plugin whose module
-fails to import, so everything else is imported inside ``register()``, where a
-failure propagates.
+Which release the fixes run as (``release_basis``): a covered release (``series.toml``)
+as itself. Another final release (a patch release such as v0.33.1, a post release)
+runs them as the newest covered release of its minor series not newer than it (v0.33.0
+for v0.33.1; its patch releases are cherry-picks onto that one), and only if its code
+at every target of the selected fixes equals that release's: ``_fingerprint`` compares
+the installed definitions with the fingerprints ``regen`` recorded from the release's
+tree. A development build, a release of a minor series nothing covers, or a difference
+at any target is not verifiable.
+
+What happens when the fixes cannot be activated as asked (any ``ActivationError``: such
+a release, a missing module or target, a bad ``VLLM_PATCHES_*`` value; or any other error
+before the first change) is the operator's choice. By default nothing stops the engine: every process logs one ERROR line naming
+the fixes that are NOT active and why, and vLLM starts without any of them (the
+failure comes before the first change: targets are validated first).
+``VLLM_PATCHES_STRICT=1`` raises the error into vLLM instead, which then fails to start.
+One failure stops vLLM under either policy: installing that fails after the first
+change (a postcondition that does not hold) leaves part of a fix in the process, which
+cannot be taken back, so ``PartlyInstalled`` is always raised. Only the standard library
+and ``packaging`` are imported at module level: vLLM logs and skips a plugin whose
+module fails to import, so everything else is imported inside ``register()``.
 
 Environment (read once per process): ``VLLM_PATCHES_DISABLE=1`` turns the plugin off;
-``VLLM_PATCHES_FIXES=F1,F4`` chooses fixes (default: all); ``VLLM_PATCHES_ALLOW_UNSUPPORTED=1``
-activates on a release outside the supported range.
+``VLLM_PATCHES_FIXES=F1,F4`` chooses fixes (default: all); ``VLLM_PATCHES_STRICT=1``
+stops vLLM when the fixes cannot be activated; ``VLLM_PATCHES_ALLOW_UNSUPPORTED=1``
+activates them on a release that is not covered and not verified, at the operator's
+own risk (as the release itself: its version picks the variants).
 """
 
 from __future__ import annotations
@@ -58,7 +74,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from vllm_patches import _series
@@ -69,6 +84,7 @@ from vllm_patches._series import Fix, Need, Series
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
 ENV_FIXES = "VLLM_PATCHES_FIXES"
 ENV_ALLOW_UNSUPPORTED = "VLLM_PATCHES_ALLOW_UNSUPPORTED"
+ENV_STRICT = "VLLM_PATCHES_STRICT"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "vllm_patches"
 # Set on each upstream module that received definitions: fix id -> what was installed.
@@ -94,10 +110,46 @@ FALSE_WORDS = ("", "0", "false", "no", "off")
 
 
 class ActivationError(UserError):
-    """The fixes cannot be activated as asked; vLLM must not start without saying so."""
+    """The fixes cannot be activated as asked: no fix is installed, and every process
+    says so (or, with ``VLLM_PATCHES_STRICT=1``, vLLM does not start)."""
 
     def __init__(self, message: str):
         super().__init__(f"vllm-patches: {message}")
+
+    @property
+    def reason(self) -> str:
+        return str(self).removeprefix("vllm-patches: ")
+
+
+class PartlyInstalled(ActivationError):
+    """Installing failed after the first change: part of a fix is in the process and
+    cannot be taken back, so vLLM must not run (raised under every policy)."""
+
+
+# How the release the fixes run as was chosen (``Basis.how``).
+COVERED = "covered"
+VERIFIED = "verified"
+AT_OWN_RISK = "at own risk"
+
+
+@dataclass(frozen=True)
+class Basis:
+    """The release whose fixes run on the installed vLLM, and why that one."""
+
+    installed: str  # the installed vLLM's version (public part: 0.21.0 for 0.21.0+cpu)
+    release: Version  # the release the fixes run as: its ranges and variants
+    how: str  # COVERED, VERIFIED or AT_OWN_RISK
+    why: str = ""  # VERIFIED: how much was compared; AT_OWN_RISK: why it is not verified
+
+    def describe(self) -> str:
+        """``v0.33.1 as v0.33.0 (...)``: how a line names the release the fixes run on."""
+        if self.how == VERIFIED:
+            return (f"v{self.installed} as v{self.release} (not a covered release; its code at "
+                    f"every target equals v{self.release}'s: {self.why})")
+        if self.how == AT_OWN_RISK:
+            return (f"v{self.installed} (NOT verified: {self.why}; activated by "
+                    f"{ENV_ALLOW_UNSUPPORTED}=1 at your own risk)")
+        return f"v{self.release}"
 
 
 @dataclass
@@ -118,6 +170,20 @@ class Activation:
     release: Version | None
     states: list[FixState]
     disabled: bool = False
+    basis: Basis | None = None
+    # Why no fix is active (the ActivationError the policy let vLLM start with), the
+    # fixes that are therefore not active, and the installed vLLM's version if known.
+    failure: str | None = None
+    not_active: list[str] = field(default_factory=list)
+    installed: str | None = None
+
+    @property
+    def level(self) -> int:
+        """The log level of ``line()``: an ERROR without fixes, a WARNING when the release
+        is not covered, else INFO."""
+        if self.failure is not None:
+            return logging.ERROR
+        return logging.WARNING if self.basis and self.basis.how != COVERED else logging.INFO
 
     def ids(self, state: str) -> list[str]:
         return [s.fix.id for s in self.states if s.state == state]
@@ -126,6 +192,11 @@ class Activation:
         """The one log line: active, upstream, not applicable (and the rest when any)."""
         if self.disabled:
             return f"vllm-patches: disabled by {ENV_DISABLE}; no fix is active"
+        if self.failure is not None:
+            where = f" on vLLM {self.installed}" if self.installed else ""
+            return (f"vllm-patches: NOT active{where}: {', '.join(self.not_active) or 'no fix'}; "
+                    f"vLLM starts without the fixes ({ENV_STRICT}=1 stops it instead). Why: "
+                    f"{self.failure}")
         groups = [(ACTIVE, "active"), (IN_SOURCE, "already in the source tree"),
                   (UPSTREAM, "upstream"), (NOT_APPLICABLE, "not applicable"),
                   (NOT_SELECTED, f"not selected ({ENV_FIXES})")]
@@ -136,7 +207,8 @@ class Activation:
                 shown = ", ".join(s.label() if state in (UPSTREAM, NOT_APPLICABLE) else s.fix.id
                                   for s in members)
                 parts.append(f"{title}: {shown or 'none'}")
-        return f"vllm-patches on vLLM v{self.release}: " + "; ".join(parts)
+        shown = self.basis.describe() if self.basis else f"v{self.release}"
+        return f"vllm-patches on vLLM {shown}: " + "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------- choosing
@@ -163,15 +235,6 @@ def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
         raise ActivationError(f"{ENV_FIXES} names unknown fix(es) {', '.join(unknown)} "
                               f"(the series has {', '.join(known)})")
     return [fix_id for fix_id in known if fix_id in wanted]
-
-
-def supported_releases(series: Series) -> SpecifierSet:
-    """The releases the series is verified on (``Series.supported``: through its newest)."""
-    return series.supported
-
-
-def describe_range(series: Series) -> str:
-    return series.describe_covered()
 
 
 def installed_vllm() -> tuple[str, str] | None:
@@ -205,30 +268,54 @@ def installed_version_text() -> str:
     return str(__version__)
 
 
-def release_of(text: str, series: Series, allow_unsupported: bool) -> Version:
-    """The release whose fixes apply to an installed vLLM ``text`` (``0.21.0+cpu`` -> 0.21.0).
+def release_basis(text: str, series: Series, ids: list[str], allow_unsupported: bool, *,
+                  root: Path = _series.PACKAGE_DIR,
+                  package: str = _series.UPSTREAM_PACKAGE) -> Basis:
+    """The release whose fixes ``ids`` run on an installed vLLM ``text`` (``0.21.0+cpu``
+    is v0.21.0), or an ActivationError saying why none can be.
 
-    Refuses, naming the supported range, a release outside it or a development build,
-    unless ``allow_unsupported`` (then a development build counts as its base release).
+    A covered release runs as itself. Another final release runs as the covered release
+    ``_fingerprint.candidate`` picks when the installed code at every target of ``ids``
+    equals that release's (``package``'s source files against the recorded
+    fingerprints; ``root`` holds the overlays). Otherwise, with ``allow_unsupported``,
+    it runs as itself (a development build as its base release), at the operator's risk.
     """
-    hint = (f"set {ENV_ALLOW_UNSUPPORTED}=1 to activate the fixes anyway, or "
+    from vllm_patches import _fingerprint
+
+    hint = (f"set {ENV_ALLOW_UNSUPPORTED}=1 to activate the fixes anyway, at your own risk, or "
             f"{ENV_DISABLE}=1 to run without them")
     try:
         version = Version(text)
     except InvalidVersion:
         raise ActivationError(f"cannot read the vLLM version {text!r}; {hint}") from None
-    release = Version(version.base_version)
+    public = Version(version.public)
+    if public in series.covered:
+        return Basis(str(public), public, COVERED)
+    covered = f"covered: {series.describe_covered()}"
     if version.is_devrelease or version.is_prerelease:
-        if not allow_unsupported:
-            raise ActivationError(
-                f"vLLM {text} is a development build, not a release; the fixes are known for "
-                f"releases {describe_range(series)}; {hint}")
-        return release
-    if release not in supported_releases(series) and not allow_unsupported:
-        raise ActivationError(
-            f"vLLM v{release} is not a supported release (supported: "
-            f"{describe_range(series)}); {hint}")
-    return release
+        why = f"vLLM {text} is a development build, not a release ({covered})"
+    elif (candidate := _fingerprint.candidate(series, public)) is None:
+        why = (f"vLLM v{public} is not a covered release ({covered}), nor a later release "
+               "of a covered minor series")
+    else:
+        expected = _fingerprint.recorded(candidate)
+        if expected is None:
+            why = (f"vLLM v{public} is not a covered release, and this installation lacks "
+                   f"v{candidate}'s fingerprints to compare it with")
+        else:
+            actual = _fingerprint.compute(series, candidate, root,
+                                          _fingerprint.installed_reader(package))
+            compared = {t for fix_id in ids for t in expected.get(fix_id, {})}
+            differ = _fingerprint.differences(expected, actual, ids)
+            if not differ:
+                return Basis(str(public), candidate, VERIFIED,
+                             f"{len(compared)} definitions compared")
+            shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if differ[3:] else "")
+            why = (f"vLLM v{public} is not a covered release, and its code differs from "
+                   f"v{candidate}'s at {shown}")
+    if allow_unsupported:
+        return Basis(str(public), Version(version.base_version), AT_OWN_RISK, why)
+    raise ActivationError(f"{why}; {hint}")
 
 
 def plan(series: Series, release: Version, ids: list[str]) -> list[FixState]:
@@ -256,32 +343,68 @@ def current() -> Activation | None:
     return _CURRENT
 
 
-def activate(environ: Mapping[str, str] | None = None) -> Activation:
-    """Install the fixes the installed vLLM needs, once per process (re-entrant)."""
+def activate(environ: Mapping[str, str] | None = None, *, root: Path = _series.PACKAGE_DIR,
+             package: str = _series.UPSTREAM_PACKAGE) -> Activation:
+    """Install the fixes the installed vLLM needs, once per process (re-entrant).
+
+    An error before the first change (an ActivationError, or any other: nothing is
+    installed yet) becomes an Activation without fixes that says why (its ``failure``),
+    unless ``VLLM_PATCHES_STRICT=1`` (or its value cannot be read: the variable exists
+    only to ask for a stop); PartlyInstalled is always raised.
+    """
     global _CURRENT
     with _LOCK:
         if _CURRENT is not None:
             return _CURRENT
         environ = os.environ if environ is None else environ
         series = _series.load()
-        if env_flag(environ, ENV_DISABLE):
-            _CURRENT = Activation(None, [], disabled=True)
+        strict = env_flag(environ, ENV_STRICT)
+        ids, text, release = series.ids, None, None
+        try:
+            if env_flag(environ, ENV_DISABLE):
+                _CURRENT = Activation(None, [], disabled=True)
+                return _CURRENT
+            text = installed_version_text()
+            ids = selected_ids(series, environ)
+            basis = release_basis(text, series, ids, env_flag(environ, ENV_ALLOW_UNSUPPORTED),
+                                  root=root, package=package)
+            release = basis.release
+            states = install(series, release, ids, root=root, package=package)
+        except PartlyInstalled:
+            raise
+        except Exception as exc:  # before the first change: vLLM runs as stock
+            if strict:
+                raise
+            reason = exc.reason if isinstance(exc, ActivationError) else repr(exc)
+            _CURRENT = Activation(None, [], failure=reason, installed=text, not_active=needed_fixes(
+                series, ids, release or base_release(text)))
             return _CURRENT
-        ids = selected_ids(series, environ)
-        release = release_of(installed_version_text(), series,
-                             env_flag(environ, ENV_ALLOW_UNSUPPORTED))
-        states = install(series, release, ids)
-        _CURRENT = Activation(release, states)
+        _CURRENT = Activation(release, states, basis=basis)
         return _CURRENT
 
 
+def base_release(text: str | None) -> Version | None:
+    try:
+        return Version(Version(text).base_version) if text else None
+    except InvalidVersion:
+        return None
+
+
+def needed_fixes(series: Series, ids: list[str], release: Version | None) -> list[str]:
+    """The fixes of ``ids`` that ``release`` needs (all of them when it is unknown)."""
+    if release is None:
+        return ids
+    return [s.fix.id for s in plan(series, release, ids) if s.state == ACTIVE]
+
+
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point; raises (so vLLM stops) when it cannot."""
+    """The ``vllm.general_plugins`` entry point: installs the fixes and logs one line, at
+    ERROR when none could be (see the module docstring for when it raises)."""
     with _LOCK:
         first = _CURRENT is None
         activation = activate()
     if first:
-        logger.info("%s", activation.line())
+        logger.log(activation.level, "%s", activation.line())
 
 
 # ------------------------------------------------------------------------- installing
@@ -418,9 +541,16 @@ def install(series: Series, release: Version, ids: list[str], *,
     for item in plans:
         _validate(item, skip)
     installed = list(earlier)
-    for item in plans:
-        installed += _install_overlay(item, skip)
-    _check_postconditions(installed)
+    try:
+        for item in plans:
+            installed += _install_overlay(item, skip)
+        _check_postconditions(installed)
+    except Exception as exc:
+        detail = exc.reason if isinstance(exc, ActivationError) else repr(exc)
+        raise PartlyInstalled(
+            f"installing failed after it changed vLLM's code, so part of the fixes may be in "
+            f"this process and cannot be taken back; vLLM must not run like this ({detail}); "
+            f"set {ENV_DISABLE}=1 to run without the fixes") from exc
     for item in installed:
         by_fix[item.fix].installed.append(item)
     return states

@@ -93,16 +93,66 @@ def test_fixes_the_plugin_would_activate(dists, capsys):
     assert "  F1 two-phase-computed-block-allocation: would be active" in out
 
 
+PLUGIN = "[vllm.general_plugins]\nvllm_patches = vllm_patches._runtime:register\n"
+
+
 def test_an_unsupported_release_is_a_refusal_when_the_plugin_is_registered(dists, capsys):
     dists("vllm", "0.17.0")
     code, out, _ = doctor(capsys)
-    assert code == EXIT_OK and "warning: the plugin refuses: vllm-patches: vLLM v0.17.0" in out
-    dists("vllm_patches", "0.1.0", "[vllm.general_plugins]\n"
-                                   "vllm_patches = vllm_patches._runtime:register\n")
+    assert code == EXIT_OK and "warning: NOT active on vLLM 0.17.0: no fix; " in out
+    dists("vllm_patches", "0.1.0", PLUGIN)
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
-    assert "BAD: the plugin refuses: vllm-patches: vLLM v0.17.0 is not a supported release " \
-           "(supported: v0.18.0 .. v" in out
+    assert "BAD: NOT active on vLLM 0.17.0: no fix; vLLM starts without the fixes " \
+           "(VLLM_PATCHES_STRICT=1 stops it instead). Why: vLLM v0.17.0 is not a covered " \
+           "release (covered: v0.18.0 .. v" in out
+
+
+@pytest.fixture
+def v0_33_1(dists, monkeypatch):
+    """vLLM 0.33.1 with the plugin; its sources: v0.33.0's tree, changed by ``edit``."""
+    from vllm_patches import _fingerprint, _releases
+
+    tree = _releases.fetch(_releases.parse_release("0.33.0"))
+    dists("vllm", "0.33.1")
+    dists("vllm_patches", "0.1.0", PLUGIN)
+    edits = {}
+
+    def read(overlay):
+        source = (tree / "vllm" / overlay).read_text()
+        return edits.get(overlay, lambda text: text)(source)
+
+    monkeypatch.setattr(_fingerprint, "installed_reader", lambda package: read)
+    return edits
+
+
+def test_a_patch_release_verified_identical_at_every_target(v0_33_1, capsys):
+    """Issue 19, item 2: doctor said "BAD: the plugin refuses" for vLLM v0.33.1."""
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_OK, out
+    assert "fixes on vLLM v0.33.1 as v0.33.0 (not a covered release; its code at every target " \
+           "equals v0.33.0's: " in out
+    assert "  F2 nixl-best-of-sibling-release: would be active" in out
+    assert "  ok: vLLM v0.33.1 is not a covered release; verified identical to v0.33.0 at every " \
+           "target (" in out
+
+
+def test_a_patch_release_that_differs_is_not_active(v0_33_1, capsys, monkeypatch):
+    overlay = "distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py"
+    v0_33_1[overlay] = lambda text: text.replace("    def start_load_kv(self, ",
+                                                 "    def start_load_kv(self, *, extra=None, ", 1)
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED
+    assert "  BAD: NOT active on vLLM 0.33.1: F2, F3, F4; vLLM starts without the fixes " \
+           "(VLLM_PATCHES_STRICT=1 stops it instead). Why: vLLM v0.33.1 is not a covered " \
+           "release, and its code differs from v0.33.0's at " \
+           f"{overlay}:NixlPullConnectorWorker.start_load_kv (F2: changed);" in out
+    assert "fixes on" not in out
+    monkeypatch.setenv("VLLM_PATCHES_STRICT", "1")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED
+    assert "  BAD: vLLM would not start (VLLM_PATCHES_STRICT): vLLM v0.33.1 is not a covered " \
+           "release, and its code differs" in out
 
 
 def test_environment_selection_and_disable_are_shown(dists, capsys, monkeypatch):
@@ -127,6 +177,18 @@ def test_what_is_active_in_this_python(dists, capsys, monkeypatch):
     assert code == EXIT_OK
     assert "fixes on vLLM v0.21.0, active in this Python:" in out
     assert "  F1 two-phase-computed-block-allocation: active" in out
+
+
+def test_fixes_not_active_in_this_python(dists, capsys, monkeypatch):
+    """Where the plugin ran and started vLLM without the fixes, doctor says so, exit 1."""
+    dists("vllm", "0.33.1")
+    dists("vllm_patches", "0.1.0", PLUGIN)
+    monkeypatch.setattr(_runtime, "_CURRENT", _runtime.Activation(
+        None, [], failure="why", installed="0.33.1", not_active=["F2"]))
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED and "fixes on" not in out
+    assert "  BAD: NOT active on vLLM 0.33.1: F2; vLLM starts without the fixes " \
+           "(VLLM_PATCHES_STRICT=1 stops it instead). Why: why" in out
 
 
 def test_bad_tensor_parallel_size(dists, capsys):

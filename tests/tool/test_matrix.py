@@ -5,14 +5,14 @@ import dataclasses
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _cli, _matrix, _patches, _releases, _runtime, _series
+from vllm_patches import _cli, _matrix, _patches, _releases, _series
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 from vllm_patches._errors import UserError
 from vllm_patches._patchset import PatchSet
 
 SERIES = _series.load()
 README = _series.REPO_DIR / "README.md"
-SUPPORTED = _runtime.supported_releases(SERIES)
+SUPPORTED = SERIES.supported
 
 
 def readme() -> str:

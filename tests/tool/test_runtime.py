@@ -1,6 +1,7 @@
 """Runtime activation on small fake upstream packages built here (no vLLM needed)."""
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import logging
@@ -20,6 +21,7 @@ from vllm_patches._runtime import ActivationError
 from vllm_patches._series import Fix, Series
 
 PACKAGE = "fakevllm"
+INSTALLED = _runtime.INSTALLED_ATTR
 LANES = (Version("0.21.0"), Version("0.18.1"), Version("0.33.0"))
 
 WORKER = '''\
@@ -598,22 +600,30 @@ def test_selection_by_environment():
 
 
 def test_supported_range_is_oldest_lane_series_to_newest_lane():
-    supported = _runtime.supported_releases(SERIES)
+    supported = SERIES.supported
     lanes = sorted(SERIES.lanes)
     assert Version(f"{lanes[0].major}.{lanes[0].minor}.0") in supported
     assert all(lane in supported for lane in lanes)
     assert Version(f"{lanes[-1].major}.{lanes[-1].minor + 1}.0") not in supported
 
 
-def test_unsupported_releases_are_refused_unless_overridden():
-    with pytest.raises(ActivationError, match=r"v0\.17\.0 is not a supported release \(supported: "
-                                              r"v0\.18\.0 \.\. v.*VLLM_PATCHES_ALLOW_UNSUPPORTED=1"):
-        _runtime.release_of("0.17.0", SERIES, allow_unsupported=False)
+def test_releases_that_cannot_be_verified_are_refused_unless_overridden():
+    ids = SERIES.ids
+    with pytest.raises(ActivationError, match=r"v0\.17\.0 is not a covered release \(covered: "
+                                              r"v0\.18\.0 \.\. v.*nor a later release of a covered "
+                                              r"minor series.*VLLM_PATCHES_ALLOW_UNSUPPORTED=1"):
+        _runtime.release_basis("0.17.0", SERIES, ids, allow_unsupported=False)
+    newest = SERIES.covered[-1]
+    with pytest.raises(ActivationError, match="not a covered release"):
+        _runtime.release_basis(f"{newest.major}.{newest.minor + 1}.0", SERIES, ids, False)
     with pytest.raises(ActivationError, match="development build"):
-        _runtime.release_of("0.21.1.dev3+g123", SERIES, allow_unsupported=False)
-    assert _runtime.release_of("0.17.0", SERIES, allow_unsupported=True) == Version("0.17.0")
-    assert _runtime.release_of("0.21.1.dev3", SERIES, allow_unsupported=True) == Version("0.21.1")
-    assert _runtime.release_of("0.21.0+cpu", SERIES, allow_unsupported=False) == Version("0.21.0")
+        _runtime.release_basis("0.21.1.dev3+g123", SERIES, ids, allow_unsupported=False)
+    old = _runtime.release_basis("0.17.0", SERIES, ids, allow_unsupported=True)
+    assert (old.release, old.how) == (Version("0.17.0"), _runtime.AT_OWN_RISK)
+    dev = _runtime.release_basis("0.21.1.dev3", SERIES, ids, allow_unsupported=True)
+    assert (dev.release, dev.how) == (Version("0.21.1"), _runtime.AT_OWN_RISK)
+    assert _runtime.release_basis("0.21.0+cpu", SERIES, ids, allow_unsupported=False) == \
+        _runtime.Basis("0.21.0", Version("0.21.0"), _runtime.COVERED)
 
 
 @pytest.fixture
@@ -622,7 +632,7 @@ def fresh_process(monkeypatch):
     monkeypatch.setattr(_runtime, "_CURRENT", None)
     calls = []
 
-    def fake_install(series, release, ids):
+    def fake_install(series, release, ids, **where):
         calls.append((release, ids))
         return _runtime.plan(series, release, ids)
 
@@ -646,10 +656,14 @@ def test_disabled_activates_nothing(fresh_process):
 
 def test_override_activates_an_unsupported_release(fresh_process, monkeypatch):
     monkeypatch.setattr(_runtime, "installed_version_text", lambda: "0.17.0")
-    with pytest.raises(ActivationError, match="not a supported release"):
-        _runtime.activate({})
-    _runtime.activate({"VLLM_PATCHES_ALLOW_UNSUPPORTED": "1"})
+    with pytest.raises(ActivationError, match="not a covered release"):
+        _runtime.activate({"VLLM_PATCHES_STRICT": "1"})
+    activation = _runtime.activate({"VLLM_PATCHES_ALLOW_UNSUPPORTED": "1"})
     assert fresh_process == [(Version("0.17.0"), [f.id for f in SERIES.fixes])]
+    assert activation.line().startswith(
+        "vllm-patches on vLLM v0.17.0 (NOT verified: vLLM v0.17.0 is not a covered release")
+    assert "activated by VLLM_PATCHES_ALLOW_UNSUPPORTED=1 at your own risk): active: " in \
+        activation.line()
 
 
 def test_register_logs_one_line_once(fresh_process, caplog):
@@ -714,3 +728,182 @@ def test_an_amended_class_with_only_a_docstring_keeps_upstreams(fake):
         ''')
     fake.install([make_fix("F1", ["core/worker.py"])])
     assert fake.get("core.worker").Worker.__doc__ == "Upstream docstring."
+
+
+# ------------------------------------------- the release policy: a vLLM that says v0.33.1
+
+POLICY_OVERLAY = '''\
+from vllm_patches._overlay import add, amend, call_at_end_of
+
+
+@amend("F2", ">=0.18.0,<0.34.0")
+class Worker:
+    @call_at_end_of("start")
+    def _settle(self, metadata):
+        self.settled = getattr(self, "settled", []) + [metadata]
+
+
+@add("F2", ">=0.18.0,<0.34.0")
+def settled_count(worker):
+    return len(worker.settled)
+'''
+
+# Not a target of F2: a patch release may change it.
+UNRELATED = '''
+
+def unrelated():
+    return "added in the patch release"
+'''
+
+
+@pytest.fixture
+def on_v0_33_1(fake, tmp_path, monkeypatch):
+    """A vLLM whose version says 0.33.1 (``fakevllm``), a series covering v0.33.0, and the
+    fingerprints of v0.33.0's tree as regen writes them; ``install(source)`` puts the
+    installed module in place. ``register()`` runs as in a vLLM process."""
+    from vllm_patches import _fingerprint, _patchset
+
+    fix = make_fix("F2", ["core/worker.py"], releases=">=0.18.0,<0.34.0", upstream_since=None)
+    series = Series((fix,), LANES, covered=(Version("0.33.0"),))
+    fake.overlay("core/worker.py", POLICY_OVERLAY)
+    tree = tmp_path / "v0.33.0"  # the release's tree: upstream paths under the package
+    (tree / "core").mkdir(parents=True)
+    (tree / "core" / "worker.py").write_text(HOOKED)
+    found = _fingerprint.compute(series, Version("0.33.0"), fake.overlays,
+                                 lambda overlay: (tree / overlay).read_text())
+    patches = tmp_path / "patches"
+    (patches / "v0.33.0").mkdir(parents=True)
+    (patches / "v0.33.0" / _fingerprint.FILE).write_text(
+        _fingerprint.render(Version("0.33.0"), found))
+    monkeypatch.setattr(_patchset, "patches_dir", lambda: patches)
+    monkeypatch.setattr(_series, "load", lambda: series)
+    monkeypatch.setattr(_runtime, "installed_version_text", lambda: "0.33.1")
+    monkeypatch.setattr(_runtime, "_CURRENT", None)
+    monkeypatch.setattr(_runtime, "activate", functools.partial(
+        _runtime.activate, root=fake.overlays, package=PACKAGE))
+    for name in ("VLLM_PATCHES_DISABLE", "VLLM_PATCHES_FIXES", "VLLM_PATCHES_STRICT",
+                 "VLLM_PATCHES_ALLOW_UNSUPPORTED"):
+        monkeypatch.delenv(name, raising=False)
+
+    def install_source(source: str) -> None:
+        fake.module("core.worker", source)
+        importlib.invalidate_caches()  # sys.path named the folder before it existed
+
+    fake.install_source = install_source
+    return fake
+
+
+def plugin_lines(caplog) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "vllm.vllm_patches"]
+
+
+def test_a_patch_release_identical_at_every_target_runs_the_fixes_as_the_covered_one(
+        on_v0_33_1, caplog):
+    """Issue 19, item 2: vLLM v0.33.1 stopped at startup although its code at every
+    target is v0.33.0's; the plugin compares it and activates as v0.33.0."""
+    caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
+    on_v0_33_1.install_source(HOOKED.replace("        return {\"a\"}", "        return {\"a\", \"x\"}")
+                              + UNRELATED)
+    _runtime.register()
+    assert plugin_lines(caplog) == [(logging.WARNING, (
+        "vllm-patches on vLLM v0.33.1 as v0.33.0 (not a covered release; its code at every "
+        "target equals v0.33.0's: 4 definitions compared): active: F2; upstream: none; "
+        "not applicable: none"))]
+    worker = on_v0_33_1.get("core.worker").Worker()
+    worker.start("m")
+    assert worker.settled == ["m"], "the fix is installed"
+    assert _runtime.current().release == Version("0.33.0")
+
+
+# Each: the installed module differs from v0.33.0's at one target of F2.
+DIFFERENT = {
+    "a hooked method changed": (
+        HOOKED.replace("self.started = metadata", "self.started = [metadata]"),
+        "core/worker.py:Worker.start (F2: changed)"),
+    "an @add name now defined": (
+        HOOKED + "\n\ndef settled_count(worker):\n    return 0\n",
+        "core/worker.py:settled_count (F2: now defined)"),
+}
+
+
+@pytest.mark.parametrize("case", DIFFERENT, ids=str)
+def test_a_patch_release_that_differs_at_a_target_starts_without_the_fixes(
+        on_v0_33_1, caplog, case):
+    """By default nothing stops the engine: one ERROR line, and no fix is installed."""
+    source, where = DIFFERENT[case]
+    caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
+    on_v0_33_1.install_source(source)
+    _runtime.register()  # does not raise
+    assert plugin_lines(caplog) == [(logging.ERROR, (
+        "vllm-patches: NOT active on vLLM 0.33.1: F2; vLLM starts without the fixes "
+        "(VLLM_PATCHES_STRICT=1 stops it instead). Why: vLLM v0.33.1 is not a covered "
+        f"release, and its code differs from v0.33.0's at {where}; set "
+        "VLLM_PATCHES_ALLOW_UNSUPPORTED=1 to activate the fixes anyway, at your own risk, or "
+        "VLLM_PATCHES_DISABLE=1 to run without them"))]
+    module = on_v0_33_1.get("core.worker")
+    assert "_settle" not in vars(module.Worker) and not hasattr(module, INSTALLED), \
+        "nothing installed"
+    assert _runtime.current().failure is not None and _runtime.current().states == []
+
+
+def test_strict_stops_vllm_on_a_patch_release_that_differs(on_v0_33_1, monkeypatch):
+    on_v0_33_1.install_source(DIFFERENT["a hooked method changed"][0])
+    monkeypatch.setenv("VLLM_PATCHES_STRICT", "1")
+    with pytest.raises(ActivationError, match=r"not a covered release, and its code differs "
+                                              r"from v0\.33\.0's at core/worker\.py:Worker\.start"):
+        _runtime.register()
+    assert "_settle" not in vars(on_v0_33_1.get("core.worker").Worker)
+    assert _runtime.current() is None
+
+
+def test_the_override_activates_a_patch_release_that_differs(on_v0_33_1, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
+    on_v0_33_1.install_source(DIFFERENT["a hooked method changed"][0])
+    monkeypatch.setenv("VLLM_PATCHES_ALLOW_UNSUPPORTED", "1")
+    _runtime.register()
+    [(level, line)] = plugin_lines(caplog)
+    assert level == logging.WARNING and line.startswith(
+        "vllm-patches on vLLM v0.33.1 (NOT verified: vLLM v0.33.1 is not a covered release, "
+        "and its code differs from v0.33.0's at core/worker.py:Worker.start (F2: changed); "
+        "activated by VLLM_PATCHES_ALLOW_UNSUPPORTED=1 at your own risk): active: F2")
+    assert "_settle" in vars(on_v0_33_1.get("core.worker").Worker)
+
+
+def test_any_activation_error_starts_vllm_without_fixes_by_default(on_v0_33_1, monkeypatch,
+                                                                   caplog):
+    caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
+    on_v0_33_1.install_source(HOOKED)
+    monkeypatch.setenv("VLLM_PATCHES_FIXES", "F9")
+    _runtime.register()
+    [(level, line)] = plugin_lines(caplog)
+    assert level == logging.ERROR and line.startswith(
+        "vllm-patches: NOT active on vLLM 0.33.1: F2; vLLM starts without the fixes")
+    assert "Why: VLLM_PATCHES_FIXES names unknown fix(es) F9" in line
+
+
+def test_any_error_before_the_first_change_starts_vllm_without_fixes(on_v0_33_1, monkeypatch,
+                                                                     caplog):
+    from vllm_patches import _fingerprint
+
+    caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
+    on_v0_33_1.install_source(HOOKED)
+    monkeypatch.setattr(_fingerprint, "compute", lambda *a: 1 / 0)
+    _runtime.register()
+    [(level, line)] = plugin_lines(caplog)
+    assert level == logging.ERROR and line.endswith(
+        "vLLM starts without the fixes (VLLM_PATCHES_STRICT=1 stops it instead). Why: "
+        "ZeroDivisionError('division by zero')")
+    assert "_settle" not in vars(on_v0_33_1.get("core.worker").Worker)
+
+
+def test_a_half_installed_fix_stops_vllm_under_every_policy(on_v0_33_1, monkeypatch):
+    """Installing that fails after the first change cannot be taken back: it is never
+    reported as a start without fixes (the postcondition test's metaclass)."""
+    monkeypatch.setattr(_runtime, "installed_version_text", lambda: "0.33.0")
+    on_v0_33_1.install_source(HOOKED.replace("class Worker:", "class Sticky(type):\n"
+                                             "    def __setattr__(cls, name, value):\n"
+                                             "        pass\n\n\nclass Worker(metaclass=Sticky):"))
+    with pytest.raises(_runtime.PartlyInstalled, match="part of the fixes may be in this process "
+                                                       "and cannot be taken back.*postconditions"):
+        _runtime.register()
+    assert _runtime.current() is None
