@@ -246,13 +246,19 @@ def unpack_sdist(sdist: Path, target: Path) -> None:
         if hasattr(tarfile, "data_filter"):
             archive.extractall(target, filter="data")
             return
-        for member in archive.getmembers():
+        members = archive.getmembers()
+        for member in members:
             parts = Path(member.name).parts
             if not (member.isfile() or member.isdir()) or member.name.startswith("/") \
                     or ".." in parts:
                 raise UserError(f"{sdist.name}: refusing to unpack {member.name!r} (not a "
                                 "plain file or folder inside the archive)")
-        archive.extractall(target)
+            # As the data filter does: the files are ours (as root, tarfile would give
+            # them the archive's owner, and git then refuses the "dubious ownership"),
+            # with no set-id or group/other write bits.
+            member.uid, member.gid = os.getuid(), os.getgid()
+            member.mode &= 0o755
+        archive.extractall(target, members, numeric_owner=True)
 
 
 def _require_pristine(dest: Path, tag: str) -> None:

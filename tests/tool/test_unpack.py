@@ -6,6 +6,7 @@ from before Python 3.11.4's tarfile filters), crashed in `fetch` with
 """
 
 import io
+import os
 import tarfile
 
 import pytest
@@ -23,7 +24,8 @@ def archive(path, members):
             info.linkname = link
             data = b"" if kind != tarfile.REGTYPE else b"content\n"
             info.size = len(data)
-            info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o644
+            info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o4666  # set-id, all write
+            info.uid = info.gid = 4242  # the packager's, not ours
             tar.addfile(info, io.BytesIO(data) if data else None)
     return path
 
@@ -40,7 +42,9 @@ def test_a_release_archive_unpacks(tmp_path, tar_filters):
         ("vllm-0.21.0", tarfile.DIRTYPE, ""), ("vllm-0.21.0/setup.py", tarfile.REGTYPE, "")])
     (tmp_path / "out").mkdir()
     _releases.unpack_sdist(sdist, tmp_path / "out")
-    assert (tmp_path / "out/vllm-0.21.0/setup.py").read_text() == "content\n"
+    unpacked = tmp_path / "out/vllm-0.21.0/setup.py"
+    assert unpacked.read_text() == "content\n"
+    assert unpacked.stat().st_uid == os.getuid() and unpacked.stat().st_mode & 0o7777 == 0o644
 
 
 @pytest.mark.parametrize("member", [("../evil", tarfile.REGTYPE, ""),
