@@ -213,7 +213,6 @@ def fetch(version: Version) -> Path:
         _require_pristine(dest, tag)
         return dest
     import shutil
-    import tarfile
     import tempfile
 
     with _progress.step(f"fetching vLLM {tag}"):
@@ -221,8 +220,7 @@ def fetch(version: Version) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as scratch:
             _progress.update(f"unpacking {sdist.name}")
-            with tarfile.open(sdist) as archive:
-                archive.extractall(scratch, filter="data")
+            unpack_sdist(sdist, Path(scratch))
             (top,) = Path(scratch).iterdir()
             for name in SDIST_BUILD_METADATA:
                 path = top / name
@@ -236,6 +234,36 @@ def fetch(version: Version) -> Path:
                 shutil.rmtree(dest)
             top.rename(dest)
     return dest
+
+
+def unpack_sdist(sdist: Path, target: Path) -> None:
+    """Unpack a release archive into ``target``: regular files and folders, inside it.
+
+    Python 3.11.4 and later refuse the rest with tarfile's ``data`` filter. Older
+    interpreters have no filters (Debian 12's python3 is 3.11.2, and ``fetch`` crashed
+    there with a TypeError): there every member is checked first, and an archive with
+    anything else (a link, a device, an absolute or ``..`` path) is refused, unpacked
+    not at all.
+    """
+    import tarfile
+
+    with tarfile.open(sdist) as archive:
+        if hasattr(tarfile, "data_filter"):
+            archive.extractall(target, filter="data")
+            return
+        members = archive.getmembers()
+        for member in members:
+            parts = Path(member.name).parts
+            if not (member.isfile() or member.isdir()) or member.name.startswith("/") \
+                    or ".." in parts:
+                raise UserError(f"{sdist.name}: refusing to unpack {member.name!r} (not a "
+                                "plain file or folder inside the archive)")
+            # As the data filter does: the files are ours (as root, tarfile would give
+            # them the archive's owner, and git then refuses the "dubious ownership"),
+            # with no set-id or group/other write bits.
+            member.uid, member.gid = os.getuid(), os.getgid()
+            member.mode &= 0o755
+        archive.extractall(target, members, numeric_owner=True)
 
 
 def _require_pristine(dest: Path, tag: str) -> None:

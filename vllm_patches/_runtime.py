@@ -69,7 +69,7 @@ import sys
 import textwrap
 import threading
 import types
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -675,12 +675,25 @@ def _already_there(plans: list[_OverlayPlan], fixes: list[Fix],
         if all(record is not None for record in records):
             skip.add(fix.id)
             earlier += [item for record in records for item in record]
-        elif all(_in_source(p.module, d) for p in plans for d in p.definitions
-                 if d.fix == fix.id):
+        elif all(_in_source(p.module, d, _replaced_later(plans, fixes, p, d))
+                 for p in plans for d in p.definitions if d.fix == fix.id):
             by_fix[fix.id].state = IN_SOURCE
             by_fix[fix.id].detail = "patched tree"
             skip.add(fix.id)
     return skip, earlier
+
+
+def _replaced_later(plans: list[_OverlayPlan], fixes: list[Fix], plan: _OverlayPlan,
+                    definition: _Definition) -> set[str]:
+    """Members of ``definition``'s class that a later fix of ``fixes`` amends again: a
+    patched tree holds the later fix's version of them (F3 replaces a method F2 adds), so
+    the earlier fix is checked without them, and the later one checks them."""
+    order = [fix.id for fix in fixes]
+    return {member.name for other in plans if other.module is plan.module
+            for later in other.definitions
+            if later.name == definition.name and later.fix in order
+            and order.index(later.fix) > order.index(definition.fix)
+            for member in later.members}
 
 
 @functools.cache
@@ -691,8 +704,12 @@ def _source_tree(path: str) -> ast.Module | None:
         return None
 
 
-def _in_source(module: types.ModuleType, definition: _Definition) -> bool:
-    """Whether the upstream module's source file already holds ``definition`` verbatim."""
+def _in_source(module: types.ModuleType, definition: _Definition,
+               replaced: Collection[str] = ()) -> bool:
+    """Whether the upstream module's source file already holds ``definition`` verbatim
+    (an amended class: its members but those in ``replaced``; a ``__doc__`` member as the
+    class docstring, where the splice puts it)."""
+    from vllm_patches._splice import DOCSTRING_MEMBER
     path = getattr(module, "__file__", None)
     tree = _source_tree(path) if path and path.endswith(".py") else None
     if tree is None:
@@ -705,11 +722,18 @@ def _in_source(module: types.ModuleType, definition: _Definition) -> bool:
     if not definition.amends_class:
         return ast.dump(upstream) == ast.dump(definition.node)
     members = {_ast_member_name(m): m for m in upstream.body}  # type: ignore[attr-defined]
-    for member in definition.members:
+    checked = [member for member in definition.members if member.name not in replaced]
+    for member in checked:
+        if member.name == DOCSTRING_MEMBER:
+            value = getattr(member.node, "value", None)
+            if not isinstance(value, ast.Constant) or ast.get_docstring(
+                    upstream, clean=False) != value.value:  # type: ignore[arg-type]
+                return False
+            continue
         there = members.get(member.name)
         if there is None or member.node is None or ast.dump(there) != ast.dump(member.node):
             return False
-    for member in definition.members:
+    for member in checked:
         if member.call_target:
             target = members.get(member.call_target)
             if not isinstance(target, ast.FunctionDef) or not any(

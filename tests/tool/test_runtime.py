@@ -583,6 +583,50 @@ def test_a_source_tree_that_carries_the_fix_is_left_alone(fake):
     assert module.Worker().inits == 1 and not hasattr(module, "__vllm_patches_installed__")
 
 
+
+PATCHED_BY_A_SERIES = WORKER.replace('    """Upstream docstring."""\n', '    """Fixed docstring."""\n') \
+    .replace("    def step(self):\n        return self.x\n",
+             "    def step(self):\n        return self.x + 2\n") + "\n\nclass Added:\n    pass\n"
+
+SERIES_OVERLAY = '''\
+from vllm_patches._overlay import add, amend
+
+
+@amend("F1", ">=0.18")
+class Worker:
+    __doc__ = """Fixed docstring."""
+
+
+@amend("F2", ">=0.18")
+class Worker:
+    def step(self):
+        return self.x + 1
+
+
+@add("F2", ">=0.18")
+class Added:
+    pass
+
+
+@amend("F3", ">=0.18")
+class Worker:
+    def step(self):
+        return self.x + 2
+'''
+
+
+def test_a_tree_patched_by_a_series_whose_later_fix_replaces_a_member_is_left_alone(fake):
+    """Issue 19, item 3: a checkout `apply` patched, installed with the Python-only build,
+    holds F3's version of a method F2 adds and F4's `__doc__` as the class docstring; the
+    plugin took F2 for not in the tree and refused (`@add ... but the module already
+    defines it`), so vLLM did not start on the fixed tree."""
+    fake.module("core.worker", PATCHED_BY_A_SERIES)
+    fake.overlay("core/worker.py", SERIES_OVERLAY)
+    states = fake.install([make_fix(i, ["core/worker.py"]) for i in ("F1", "F2", "F3")])
+    assert [s.state for s in states] == [_runtime.IN_SOURCE] * 3
+    module = fake.get("core.worker")
+    assert module.Worker().step() == 3 and not hasattr(module, "__vllm_patches_installed__")
+
 # ---------------------------------------------------------------- choosing and refusing
 
 SERIES = _series.load()
