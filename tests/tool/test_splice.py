@@ -232,6 +232,34 @@ def test_filter_call_in_wraps_each_call_of_the_callee_in_the_method(tmp_path):
         "\n    def _seen(self, notifs):\n        return notifs\n"), "nested scopes are left alone"
 
 
+def test_call_filters_of_two_fixes_on_one_callee_compose_in_series_order(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @filter_call_in("notifs", "self.agent.poll")
+            def _seen(self, notifs):
+                return notifs
+
+            @filter_result_of("notifs")
+            def _more(self, found):
+                return found
+
+
+        @amend("F2", ">=0.18")
+        class Worker:
+            @filter_call_in("notifs", "self.agent.poll")
+            def _counted(self, notifs):
+                return notifs
+        ''')
+    result = splice(POLLING, overlay.select(["F1", "F2"], Version("0.21.0")), overlay.imports,
+                    overlay.path)
+    assert "in self._counted(self._seen(self.agent.poll())).items()" in result, \
+        "the later fix sees what the earlier one's filter returned"
+    assert "found | self._counted(self._seen(self.agent.poll(1)))" in result
+    assert "return self._more(found | self._counted(self._seen(self.agent.poll(1))) | " in result
+    assert result.count("self._seen(") == 2, "each call is filtered once"
+
+
 def test_filter_call_in_refuses_a_method_without_the_call(tmp_path):
     overlay = write_overlay(tmp_path, '''
         @amend("F1", ">=0.18")
