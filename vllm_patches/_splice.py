@@ -8,11 +8,12 @@ spliced code uses and upstream lacks are added.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -28,6 +29,8 @@ from vllm_patches._overlay import (
 from vllm_patches._series import describe_releases
 
 MARKERS = {AMEND, ADD}
+# ruff's default line length, which vLLM keeps: the spliced text must pass ruff format.
+LINE_LENGTH = 88
 # A partial class's own docstring describes the overlay; ``__doc__ = """..."""``
 # replaces the upstream class docstring.
 DOCSTRING_MEMBER = "__doc__"
@@ -437,12 +440,17 @@ class _ReturnRewriter(_OwnScopeTransformer):
 
 class _CallFilter(_OwnScopeTransformer):
     """Wraps every call of the filtered callees in one function body (not in nested
-    scopes) in their hooks, the first hook innermost."""
+    scopes) in their hooks, the first hook innermost; a wrapped call that makes its
+    line longer than ``line_length`` (when given) is laid out as ruff lays it out,
+    the argument of the outermost hook on a line of its own."""
 
-    def __init__(self, hooks: dict[str, list[str]]) -> None:
+    def __init__(self, hooks: dict[str, list[str]], lines: list[str], column: int,
+                 positions: Mapping[cst.CSTNode, CodeRange], line_length: int | None) -> None:
         super().__init__()
         self.hooks = hooks  # callee -> hook calls, in order
         self.calls: dict[str, int] = dict.fromkeys(hooks, 0)
+        self.lines, self.column, self.positions = lines, column, positions
+        self.line_length = line_length
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         callee = cst.Module([]).code_for_node(original.func)
@@ -452,7 +460,19 @@ class _CallFilter(_OwnScopeTransformer):
         wrapped: cst.BaseExpression = updated
         for hook_call in self.hooks[callee]:
             wrapped = cst.parse_expression(f"{hook_call}(_)").with_changes(args=[cst.Arg(wrapped)])
+        if self._too_long(original, callee):
+            assert isinstance(wrapped, cst.Call)
+            wrapped = _one_argument_per_line(wrapped)
         return wrapped
+
+    def _too_long(self, original: cst.Call, callee: str) -> bool:
+        """Whether wrapping ``original`` (on one line) makes its line too long."""
+        where = self.positions[original]
+        if self.line_length is None or where.start.line != where.end.line:
+            return False
+        added = sum(len(hook_call) + 2 for hook_call in self.hooks[callee])
+        line = self.lines[where.start.line - 1]
+        return self.column + len(line) + added > self.line_length
 
 
 # (upstream class, method) -> the (callee, hook) pairs of its @filter_call_in hooks, in
@@ -471,17 +491,22 @@ def group_call_filters(hooks: Iterable[tuple[str, tuple[str, ...], str]]) -> Cal
     return grouped
 
 
-def filter_calls(function: cst.FunctionDef, filters: list[tuple[str, str]],
-                 where: str) -> cst.FunctionDef:
+def filter_calls(function: cst.FunctionDef, filters: list[tuple[str, str]], where: str,
+                 column: int = 0, line_length: int | None = None) -> cst.FunctionDef:
     """``function`` with each call ``c(...)`` of a filtered callee in its body written
     ``self.<hook>(c(...))``, for each ``(callee, hook)`` of ``filters`` in order (a
     later filter of the same callee wraps the earlier: ``self.<h2>(self.<h1>(c(...)))``).
     ``@filter_call_in``'s one rewrite: the splice and the runtime both apply all the
-    filters of a method with it, in one pass."""
+    filters of a method with it, in one pass.
+
+    ``column``: where ``function``'s ``def`` starts; with ``line_length`` (the splice:
+    the text must pass ruff format), a line that the hooks make too long is split."""
     hooks: dict[str, list[str]] = {}
     for callee, hook in filters:
         hooks.setdefault(callee, []).append(f"self.{hook}")
-    rewriter = _CallFilter(hooks)
+    alone = cst.Module(body=[function])
+    positions = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+    rewriter = _CallFilter(hooks, alone.code.splitlines(), column, positions, line_length)
     body = function.body.visit(rewriter)
     if missing := [callee for callee, calls in rewriter.calls.items() if not calls]:
         raise SpliceError(f"{where}: {function.name.value} makes no call of {', '.join(missing)}")
@@ -510,7 +535,8 @@ def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef
     if kind == FILTER_CALL_IN:
         filters = call_filters.pop((cls.name.value, target), None)
         if filters is not None:
-            body[i] = filter_calls(node, filters, where)
+            column = len(cls.body.indent if cls.body.indent is not None else "    ")
+            body[i] = filter_calls(node, filters, where, column, LINE_LENGTH)
         return cls.with_changes(body=cls.body.with_changes(body=body))
     if kind == FILTER_RESULT_OF:
         rewriter = _ReturnRewriter(kind, f"self.{name}", where)
