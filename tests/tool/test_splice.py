@@ -216,14 +216,18 @@ POLLING = textwrap.dedent('''\
 ''')
 
 
-def test_filter_call_in_wraps_each_call_of_the_callee_in_the_method(tmp_path):
-    overlay = write_overlay(tmp_path, '''
+# F1 filters each call of self.agent.poll in Worker.notifs.
+SEEN_OVERLAY = '''
         @amend("F1", ">=0.18")
         class Worker:
             @filter_call_in("notifs", "self.agent.poll")
             def _seen(self, notifs):
                 return notifs
-        ''')
+'''
+
+
+def test_filter_call_in_wraps_each_call_of_the_callee_in_the_method(tmp_path):
+    overlay = write_overlay(tmp_path, SEEN_OVERLAY)
     result = splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay.imports,
                     overlay.path)
     assert result == POLLING.replace(
@@ -245,13 +249,7 @@ POLLING_TWICE = textwrap.dedent('''\
 
 
 def test_call_filters_of_two_fixes_on_one_callee_compose_in_series_order(tmp_path):
-    overlay = write_overlay(tmp_path, '''
-        @amend("F1", ">=0.18")
-        class Worker:
-            @filter_call_in("notifs", "self.agent.poll")
-            def _seen(self, notifs):
-                return notifs
-
+    overlay = write_overlay(tmp_path, SEEN_OVERLAY + '''
             @filter_call_in("notifs", "self.agent.poll_notifications")
             def _polled(self, notifs):
                 return notifs
