@@ -49,7 +49,12 @@ that class, so a fix adds a step without replacing (and copying) a long method:
     written ``self.agent.poll`` becomes ``self.<hook>(self.agent.poll(...))``: the hook
     takes what the call returned and returns what ``m`` then works with. ``m`` must
     make at least one such call. For a step inside a loop that no return value shows
-    (F2 sees the NIXL notifications before upstream's loop counts them).
+    (F2 sees the NIXL notifications before upstream's loop counts them). Filters of
+    one callee by several fixes compose in series order, the earlier fix's
+    innermost: ``self.<h2>(self.<h1>(self.agent.poll()))``.
+
+Hooks of several fixes on one method compose in series order, the later fix's
+outside.
 
 A later fix that replaces ``m`` whole keeps the hook call in its own text.
 

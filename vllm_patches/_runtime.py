@@ -20,9 +20,10 @@ How a fix is installed mirrors the static splice (``_splice``) exactly:
   gets the live class); new dataclass fields re-run ``dataclasses.dataclass`` on the
   live class in place; ``@call_at_end_of(m)`` wraps upstream ``m`` to call the new
   method when it returns (with the arguments it names), ``@filter_result_of(m)`` to
-  pass its result through the new method; ``@filter_call_in(m, c)`` recompiles
-  upstream ``m`` from its source with the splice's own rewrite (``_splice.filter_calls``),
-  in its module, at its file and line; an amended module function replaces the module's binding
+  pass its result through the new method; the ``@filter_call_in(m, c)`` hooks of all
+  fixes recompile upstream ``m`` once from its source with the splice's own rewrite
+  (``_splice.filter_calls``), in its module, at its file and line, before any wrapper
+  goes on it; an amended module function replaces the module's binding
   and every same-named binding of it in loaded modules; ``@add`` binds a new name.
 
 Which release the fixes run as (``release_basis``): a covered release (``series.toml``)
@@ -72,7 +73,7 @@ import types
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -80,6 +81,9 @@ from vllm_patches import _series
 from vllm_patches._errors import UserError
 from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, FILTER_CALL_IN, HOOKS
 from vllm_patches._series import Fix, Need, Series
+
+if TYPE_CHECKING:
+    from vllm_patches._splice import CallFilters
 
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
 ENV_FIXES = "VLLM_PATCHES_FIXES"
@@ -748,6 +752,7 @@ def _validate(item: _OverlayPlan, skip: set[str]) -> None:
     """Every target of the overlay's definitions exists (or, for @add, does not)."""
     namespace = item.module.__dict__
     where = f"{item.overlay} -> {item.module_name}"
+    call_filters = _call_filters([d for d in item.definitions if d.fix not in skip])
     for definition in item.definitions:
         if definition.fix in skip:
             continue
@@ -780,8 +785,10 @@ def _validate(item: _OverlayPlan, skip: set[str]) -> None:
                     raise ActivationError(
                         f"{definition.fix}: {where}: {name}.{member.call_target} has no "
                         f"parameter {', '.join(missing)} for {member.name}")
-                if member.hook[0] == FILTER_CALL_IN:
-                    _filter_calls_in(target, member, definition.fix)  # fails before any change
+                if member.hook[0] == FILTER_CALL_IN and (
+                        filters := call_filters.pop((name, member.call_target), None)):
+                    # All the method's filters, as installing applies them; before any change.
+                    _filter_calls_in(target, member.call_target, filters, definition.fix)
             if dataclasses.is_dataclass(target) and any(
                     isinstance(m.node, ast.AnnAssign) for m in definition.members):
                 _check_dataclass_amendable(target, definition.fix, where)
@@ -821,6 +828,7 @@ def _install_overlay(item: _OverlayPlan, skip: set[str]) -> list[Installed]:
     flags = __future__.annotations.compiler_flag \
         if namespace.get("annotations") is __future__.annotations else 0
     installed: list[Installed] = []
+    call_filters = _call_filters(todo)
     for definition in todo:
         code = compile(ast.Module(body=[definition.node], type_ignores=[]), str(definition.source),
                        "exec", flags=flags, dont_inherit=True)
@@ -838,7 +846,7 @@ def _install_overlay(item: _OverlayPlan, skip: set[str]) -> list[Installed]:
                 del namespace[written]
             else:
                 namespace[written] = shadowed
-            installed += _amend_class(before, new, definition)
+            installed += _amend_class(before, new, definition, call_filters)
         else:
             _rebind(before, new, name)
             installed.append(Installed(definition.fix, module, name, new, "function"))
@@ -869,8 +877,21 @@ def _unwrapped_functions(value: Any) -> list[types.FunctionType]:
     return found
 
 
-def _amend_class(cls: type, partial: type, definition: _Definition) -> list[Installed]:
-    """Put the members of ``partial`` (the overlay class, executed) onto the live ``cls``."""
+def _call_filters(definitions: list[_Definition]) -> CallFilters:
+    """The call filters of ``definitions`` per (upstream class, method), as the splice
+    groups them (``_splice.group_call_filters``)."""
+    from vllm_patches._splice import group_call_filters
+
+    return group_call_filters((d.name, m.hook, m.name) for d in definitions
+                              if d.amends_class for m in d.members if m.hook)
+
+
+def _amend_class(cls: type, partial: type, definition: _Definition,
+                 call_filters: CallFilters) -> list[Installed]:
+    """Put the members of ``partial`` (the overlay class, executed) onto the live ``cls``.
+
+    ``call_filters``: those of the overlay's definitions not installed yet; the first
+    definition that filters calls in a method recompiles it once with all of them."""
     # Zero-argument super() and __class__ refer to the cell of the class body that
     # defined the function: point it at the live class.
     for value in partial.__dict__.values():
@@ -904,20 +925,22 @@ def _amend_class(cls: type, partial: type, definition: _Definition) -> list[Inst
     for member in sorted(definition.members, key=lambda m: m.hook is None or
                          m.hook[0] != FILTER_CALL_IN):
         if member.hook:
-            _hook_into(cls, member)
+            _hook_into(cls, definition.name, member, call_filters)
             installed.append(Installed(definition.fix, cls, member.call_target, member.name,
                                        "call"))
     return installed
 
 
-def _filter_calls_in(cls: type, member: _Member, fix: str) -> types.FunctionType:
-    """Upstream ``cls.<target>`` recompiled from its source with the splice's rewrite
-    (``@filter_call_in``), in its module's namespace, at its own file and lines."""
+def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str]],
+                     fix: str) -> types.FunctionType:
+    """Upstream ``cls.<target>`` recompiled from its source with the splice's rewrite of
+    all its ``filters`` (``@filter_call_in``, ``_splice.filter_calls``), in its module's
+    namespace, at its own file and lines. One recompile per method: the source read is
+    the text of the file, so a second recompile would lose the first one's rewrite."""
     import libcst as cst
 
     from vllm_patches._splice import SpliceError, filter_calls
 
-    _, target, callee = member.hook  # type: ignore[misc]
     where = f"{fix}: {cls.__module__}.{cls.__qualname__}.{target}".lstrip(": ")
     original = cls.__dict__[target]
     if not isinstance(original, types.FunctionType) or original.__code__.co_freevars:
@@ -929,7 +952,7 @@ def _filter_calls_in(cls: type, member: _Member, fix: str) -> types.FunctionType
     function = cst.parse_module(textwrap.dedent("".join(lines))).body[0]
     assert isinstance(function, cst.FunctionDef), where
     try:
-        rewritten = filter_calls(function, callee, member.name, where)
+        rewritten = filter_calls(function, filters, where)
     except SpliceError as exc:
         raise ActivationError(str(exc)) from exc
     tree = ast.parse(cst.Module(body=[rewritten]).code)
@@ -945,14 +968,18 @@ def _filter_calls_in(cls: type, member: _Member, fix: str) -> types.FunctionType
     return new
 
 
-def _hook_into(cls: type, member: _Member) -> None:
-    """Change upstream ``cls.<target>`` as the spliced hook call would change it."""
+def _hook_into(cls: type, name: str, member: _Member, call_filters: CallFilters) -> None:
+    """Change upstream ``cls.<target>`` as the spliced hook call would change it
+    (``name``: the upstream class's name, as ``call_filters`` knows it)."""
     kind, target = member.hook[:2]  # type: ignore[index]
     original = cls.__dict__[target]
     method = member.name
     if kind == FILTER_CALL_IN:
+        filters = call_filters.pop((name, target), None)
+        if filters is None:
+            return  # the method's first call filter applied this one with its own
         # From the method as it is now: an earlier fix may have replaced it.
-        wrapper = _filter_calls_in(cls, member, "")
+        wrapper = _filter_calls_in(cls, target, filters, "")
     elif kind == CALL_AT_END_OF:
         names = member.hook_parameters
         signature = inspect.signature(original)

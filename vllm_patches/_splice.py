@@ -8,11 +8,12 @@ spliced code uses and upstream lacks are added.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -28,6 +29,8 @@ from vllm_patches._overlay import (
 from vllm_patches._series import describe_releases
 
 MARKERS = {AMEND, ADD}
+# ruff's default line length, which vLLM keeps: the spliced text must pass ruff format.
+LINE_LENGTH = 88
 # A partial class's own docstring describes the overlay; ``__doc__ = """..."""``
 # replaces the upstream class docstring.
 DOCSTRING_MEMBER = "__doc__"
@@ -340,7 +343,8 @@ def _module_bindings(module: cst.Module) -> set[str]:
     return bound
 
 
-def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> cst.ClassDef:
+def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path,
+                 call_filters: CallFilters) -> cst.ClassDef:
     """Replace same-named members in place; insert new ones next to the replaced ones.
 
     New members that precede a replaced member in the overlay are inserted right
@@ -378,7 +382,7 @@ def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path) -> c
     body[cursor:cursor] = pending
     amended = upstream.with_changes(body=upstream.body.with_changes(body=body))
     for marker, hook in hooks:
-        amended = _hook_into(amended, marker, hook, path)
+        amended = _hook_into(amended, marker, hook, path, call_filters)
     return amended
 
 
@@ -498,34 +502,87 @@ class _ReturnRewriter(_OwnScopeTransformer):
 
 
 class _CallFilter(_OwnScopeTransformer):
-    """Wraps every call of one callee in one function body (not in nested scopes)."""
+    """Wraps every call of the filtered callees in one function body (not in nested
+    scopes) in their hooks, the first hook innermost; a wrapped call that makes its
+    line longer than ``line_length`` (when given) is laid out as ruff lays it out,
+    the argument of the outermost hook on a line of its own."""
 
-    def __init__(self, callee: str, hook_call: str) -> None:
+    def __init__(self, hooks: dict[str, list[str]], lines: list[str], column: int,
+                 positions: Mapping[cst.CSTNode, CodeRange], line_length: int | None) -> None:
         super().__init__()
-        self.callee, self.hook_call = callee, hook_call
-        self.calls = 0
+        self.hooks = hooks  # callee -> hook calls, in order
+        self.calls: dict[str, int] = dict.fromkeys(hooks, 0)
+        self.lines, self.column, self.positions = lines, column, positions
+        self.line_length = line_length
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        if self.nested or cst.Module([]).code_for_node(original.func) != self.callee:
+        callee = cst.Module([]).code_for_node(original.func)
+        if self.nested or callee not in self.hooks:
             return updated
-        self.calls += 1
-        return cst.parse_expression(f"{self.hook_call}(_)").with_changes(args=[cst.Arg(updated)])
+        self.calls[callee] += 1
+        wrapped: cst.BaseExpression = updated
+        for hook_call in self.hooks[callee]:
+            wrapped = cst.parse_expression(f"{hook_call}(_)").with_changes(args=[cst.Arg(wrapped)])
+        if self._too_long(original, callee):
+            assert isinstance(wrapped, cst.Call)
+            wrapped = _one_argument_per_line(wrapped)
+        return wrapped
+
+    def _too_long(self, original: cst.Call, callee: str) -> bool:
+        """Whether wrapping ``original`` (on one line) makes its line too long."""
+        where = self.positions[original]
+        if self.line_length is None or where.start.line != where.end.line:
+            return False
+        added = sum(len(hook_call) + 2 for hook_call in self.hooks[callee])
+        line = self.lines[where.start.line - 1]
+        return self.column + len(line) + added > self.line_length
 
 
-def filter_calls(function: cst.FunctionDef, callee: str, hook: str, where: str) -> cst.FunctionDef:
-    """``function`` with each call of ``callee`` in its body ``c(...)`` written
-    ``self.<hook>(c(...))`` (``@filter_call_in``); the splice and the runtime both use it."""
-    rewriter = _CallFilter(callee, f"self.{hook}")
+# (upstream class, method) -> the (callee, hook) pairs of its @filter_call_in hooks, in
+# series order: what one rewrite of that method applies.
+CallFilters = dict[tuple[str, str], list[tuple[str, str]]]
+
+
+def group_call_filters(hooks: Iterable[tuple[str, tuple[str, ...], str]]) -> CallFilters:
+    """The call filters of ``hooks`` ((upstream class, hook marker, hook method) in
+    series order) grouped per method, so that each method is rewritten once with all
+    of them: two filters of one callee compose, the earlier fix's innermost."""
+    grouped: CallFilters = {}
+    for cls, marker, hook in hooks:
+        if marker[0] == FILTER_CALL_IN:
+            grouped.setdefault((cls, marker[1]), []).append((marker[2], hook))
+    return grouped
+
+
+def filter_calls(function: cst.FunctionDef, filters: list[tuple[str, str]], where: str,
+                 column: int = 0, line_length: int | None = None) -> cst.FunctionDef:
+    """``function`` with each call ``c(...)`` of a filtered callee in its body written
+    ``self.<hook>(c(...))``, for each ``(callee, hook)`` of ``filters`` in order (a
+    later filter of the same callee wraps the earlier: ``self.<h2>(self.<h1>(c(...)))``).
+    ``@filter_call_in``'s one rewrite: the splice and the runtime both apply all the
+    filters of a method with it, in one pass.
+
+    ``column``: where ``function``'s ``def`` starts; with ``line_length`` (the splice:
+    the text must pass ruff format), a line that the hooks make too long is split."""
+    hooks: dict[str, list[str]] = {}
+    for callee, hook in filters:
+        hooks.setdefault(callee, []).append(f"self.{hook}")
+    alone = cst.Module(body=[function])
+    positions = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+    rewriter = _CallFilter(hooks, alone.code.splitlines(), column, positions, line_length)
     body = function.body.visit(rewriter)
-    if not rewriter.calls:
-        raise SpliceError(f"{where}: {function.name.value} makes no call of {callee}")
+    if missing := [callee for callee, calls in rewriter.calls.items() if not calls]:
+        raise SpliceError(f"{where}: {function.name.value} makes no call of {', '.join(missing)}")
     assert isinstance(body, cst.BaseSuite)
     return function.with_changes(body=body)
 
 
 def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef,
-               path: Path) -> cst.ClassDef:
-    """Hook the new method ``hook`` into ``cls.<target>`` (see ``_overlay``)."""
+               path: Path, call_filters: CallFilters) -> cst.ClassDef:
+    """Hook the new method ``hook`` into ``cls.<target>`` (see ``_overlay``).
+
+    The first call filter of a method rewrites it with all of ``call_filters``' filters
+    of that method (and takes them out); the later ones find their calls in place."""
     kind, target = marker[:2]
     where = f"{path}: @{kind}({target!r}) on {cls.name.value}.{hook.name.value}"
     body = list(cls.body.body)
@@ -539,7 +596,10 @@ def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef
     if kind in (FILTER_RESULT_OF, FILTER_CALL_IN) and len(params) != 1:
         raise SpliceError(f"{where}: the hook takes one argument, the result")
     if kind == FILTER_CALL_IN:
-        body[i] = filter_calls(node, marker[2], name, where)
+        filters = call_filters.pop((cls.name.value, target), None)
+        if filters is not None:
+            column = len(cls.body.indent if cls.body.indent is not None else "    ")
+            body[i] = filter_calls(node, filters, where, column, LINE_LENGTH)
         return cls.with_changes(body=cls.body.with_changes(body=body))
     if kind == FILTER_RESULT_OF:
         rewriter = _ReturnRewriter(kind, f"self.{name}", where)
@@ -562,11 +622,22 @@ def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef
     return cls.with_changes(body=cls.body.with_changes(body=body))
 
 
+def _hooks(definitions: list[OverlayDefinition]) -> Iterable[tuple[str, tuple[str, ...], str]]:
+    """(upstream class, hook marker, hook method) of each hook of ``definitions``, in order."""
+    for definition in definitions:
+        if definition.kind == AMEND and isinstance(definition.node, cst.ClassDef):
+            for member in definition.node.body.body:
+                marker = _strip_hook(member)[1]
+                if marker:
+                    yield definition.name, marker, member.name.value  # type: ignore[attr-defined]
+
+
 def splice(upstream_source: str, definitions: list[OverlayDefinition],
            imports: tuple[cst.SimpleStatementLine, ...], path: Path) -> str:
     """``upstream_source`` with ``definitions`` spliced in, in order."""
     module = cst.parse_module(upstream_source)
     body = list(module.body)
+    call_filters = group_call_filters(_hooks(definitions))
     top = {_member_name(node): i for i, node in enumerate(body) if _member_name(node)}
     for definition in definitions:
         name = definition.name
@@ -584,7 +655,7 @@ def splice(upstream_source: str, definitions: list[OverlayDefinition],
         if isinstance(node, cst.ClassDef):
             if not isinstance(current, cst.ClassDef):
                 raise SpliceError(f"{path}: @amend class {name}, but upstream {name} is no class")
-            body[position] = _amend_class(current, node, path)
+            body[position] = _amend_class(current, node, path, call_filters)
         else:
             body[position] = _with_leading(_blank_lines(current), node)
     module = module.with_changes(body=body)

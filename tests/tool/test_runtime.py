@@ -289,6 +289,32 @@ def test_a_call_filter_recompiles_the_upstream_method_where_it_is(fake):
     assert "notifs" not in vars(module), "recompiled into the class, not the module"
 
 
+CALL_FILTER_OF_A_SECOND_FIX = '''
+
+
+@amend("F2", ">=0.18")
+class Worker:
+    @filter_call_in("notifs", "self.agent.poll")
+    def _drop_a(self, notifs):
+        self.seen = notifs
+        return {agent: [m for m in messages if m != "a"] for agent, messages in notifs.items()}
+'''
+
+
+def test_call_filters_of_two_fixes_compose_in_one_recompile(fake):
+    fake.module("core.worker", POLLING)
+    fake.overlay("core/worker.py", POLLING_OVERLAY + CALL_FILTER_OF_A_SECOND_FIX)
+    states = fake.install([make_fix("F1", ["core/worker.py"]), make_fix("F2", ["core/worker.py"])])
+    assert [s.state for s in states] == [_runtime.ACTIVE, _runtime.ACTIVE]
+    module = fake.get("core.worker")
+    worker = module.Worker()
+    assert worker.notifs(extra=["x"]) == {"x", "z"}, "both filters and F1's result filter"
+    assert worker.seen == {"decode": ["a"]}, "F2's filter sees what F1's returned"
+    recompiled = inspect.unwrap(module.Worker.notifs)
+    assert {"_drop_b", "_drop_a"} <= set(recompiled.__code__.co_names)
+    assert module.Worker.notifs.__wrapped__ is recompiled, "one recompile, under F1's wrapper"
+
+
 def test_a_call_filter_without_the_call_is_an_error(fake):
     fake.module("core.worker", POLLING)
     fake.overlay("core/worker.py", POLLING_OVERLAY.replace('"self.agent.poll"', '"self.agent.peek"'))

@@ -227,20 +227,65 @@ POLLING = textwrap.dedent('''\
 ''')
 
 
-def test_filter_call_in_wraps_each_call_of_the_callee_in_the_method(tmp_path):
-    overlay = write_overlay(tmp_path, '''
+# F1 filters each call of self.agent.poll in Worker.notifs.
+SEEN_OVERLAY = '''
         @amend("F1", ">=0.18")
         class Worker:
             @filter_call_in("notifs", "self.agent.poll")
             def _seen(self, notifs):
                 return notifs
-        ''')
+'''
+
+
+def test_filter_call_in_wraps_each_call_of_the_callee_in_the_method(tmp_path):
+    overlay = write_overlay(tmp_path, SEEN_OVERLAY)
     result = splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay.imports,
                     overlay.path)
     assert result == POLLING.replace(
         "in self.agent.poll().items()", "in self._seen(self.agent.poll()).items()").replace(
         "found | self.agent.poll(1)", "found | self._seen(self.agent.poll(1))") + (
         "\n    def _seen(self, notifs):\n        return notifs\n"), "nested scopes are left alone"
+
+
+POLLING_TWICE = textwrap.dedent('''\
+    class Worker:
+        def notifs(self):
+            found = set()
+            for agent, messages in self.agent.poll().items():
+                found |= set(messages)
+            for agent, messages in self.agent.poll_notifications().items():
+                found |= set(messages)
+            return found
+''')
+
+
+def test_call_filters_of_two_fixes_on_one_callee_compose_in_series_order(tmp_path):
+    overlay = write_overlay(tmp_path, SEEN_OVERLAY + '''
+            @filter_call_in("notifs", "self.agent.poll_notifications")
+            def _polled(self, notifs):
+                return notifs
+
+            @filter_result_of("notifs")
+            def _more(self, found):
+                return found
+
+
+        @amend("F2", ">=0.18")
+        class Worker:
+            @filter_call_in("notifs", "self.agent.poll_notifications")
+            def _counted(self, notifs):
+                return notifs
+        ''')
+    result = splice(POLLING_TWICE, overlay.select(["F1", "F2"], Version("0.21.0")),
+                    overlay.imports, overlay.path)
+    assert "        for agent, messages in self._seen(self.agent.poll()).items():\n" in result
+    # The later fix sees what the earlier one's filter returned; the line would be 95
+    # characters long, so it is laid out as ruff formats it.
+    assert (
+        "        for agent, messages in self._counted(\n"
+        "            self._polled(self.agent.poll_notifications())\n"
+        "        ).items():\n") in result
+    assert "        return self._more(found)\n" in result
 
 
 def test_filter_call_in_refuses_a_method_without_the_call(tmp_path):

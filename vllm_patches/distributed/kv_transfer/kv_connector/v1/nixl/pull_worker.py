@@ -13,9 +13,9 @@ NIXL producer (prefill) release path, vllm PR 43509:
   (``EarlyPullNotifications``).
 
 Only the pull-specific methods live here; state and helpers are added to
-``NixlBaseConnectorWorker`` (``nixl/base_worker.py``). Each changed upstream
-method has one partial class per range in which its upstream text is the
-same.
+``NixlBaseConnectorWorker`` (``nixl/base_worker.py``). Upstream methods are
+changed through hooks only; a partial class per range holds what differs
+between layouts.
 """
 
 from __future__ import annotations
@@ -141,7 +141,52 @@ class NixlPullConnectorWorker:
     "F3", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
 )
 class NixlPullConnectorWorker:
-    """F3: settle staged notifications on registration (every layout)."""
+    """F3: stage notifications on arrival, settle them on registration (every layout)."""
+
+    @filter_call_in("_get_new_notifs", "self.nixl_wrapper.get_new_notifs")
+    def _notifs_to_count(
+        self, notifs: dict[str, list[bytes]]
+    ) -> dict[str, list[bytes]]:
+        """Take out of the notifications _get_new_notifs counts those for a request
+        it does not hold at that point: staged until the request registers, or
+        ignored as a repeat of a completed pull (``_notif_not_held``).
+
+        Runs after F2's ``_sibling_reads``, on what upstream's loop then counts,
+        and replays that loop's count (a held request is released when its count
+        reaches the notifications per request, ``_notifications_per_reader`` of
+        the number each carries), so that a notification after the one that
+        completes its request in the same call is not held, as upstream's loop
+        sees it. Late notifications (``is_late``) and heartbeats pass untouched:
+        upstream's loop logs its error for the former (and, from v0.32, counts
+        them). Notes the requests the loop releases (``_note_pulls``).
+        O(notifications).
+        """
+        counts: dict[str, int] = {}
+        released: set[str] = set()
+        to_count: dict[str, list[bytes]] = {}
+        for agent, messages in notifs.items():
+            to_count[agent] = kept = []
+            for notif in messages:
+                if notif.startswith(b"HB:"):
+                    kept.append(notif)
+                    continue
+                req_id, readers = notif.decode("utf-8").rsplit(":", 1)
+                expected = self._notifications_per_reader(int(readers))
+                if req_id in released or (
+                    req_id not in self._reqs_to_send
+                    and req_id not in self._reqs_to_process
+                ):
+                    if not self._early_notifs.is_late(req_id):
+                        self._notif_not_held(req_id, expected, released)
+                        continue
+                else:
+                    done = self.consumer_notification_counts_by_req.get(req_id, 0)
+                    counts[req_id] = counts.get(req_id, done) + 1
+                    if counts[req_id] == expected:
+                        released.add(req_id)
+                kept.append(notif)
+        self._note_pulls(released)
+        return to_count
 
     def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
         """Release what the requests registered by ``start_load_kv`` made releasable.
@@ -156,268 +201,3 @@ class NixlPullConnectorWorker:
             return
         self._settle_early_notifs(metadata)
         self._release_late_best_of_siblings(metadata)
-
-
-@amend("F3", ">=0.24.0,<0.29.0")
-class NixlPullConnectorWorker:
-    """F3: _get_new_notifs, the text of v0.28.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """
-        Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP scenario), wait
-        for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, tp_size = msg.rsplit(":", 1)
-                # NOTE: `tp_ratio` is the opposite when swapping local<>remote
-                n_consumers = int(tp_size)
-                tp_ratio = self.transfer_topo.tp_ratio(n_consumers)
-
-                # Number of reads *per producer* to wait for.
-                # When remote D TP > local P TP we expect `tp_ratio` reads.
-                consumers_per_producer = (
-                    -tp_ratio if n_consumers > self.world_size else 1
-                )
-
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv (staged until the request
-                        # registers to send) or repeats a completed one.
-                        self._notif_not_held(
-                            req_id, consumers_per_producer, notified_req_ids
-                        )
-                        continue
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == consumers_per_producer
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-        self._note_pulls(notified_req_ids)
-        return self._release_pulled_siblings(notified_req_ids)
-
-
-@amend("F3", ">=0.29.0,<0.31.0")
-class NixlPullConnectorWorker:
-    """F3: _get_new_notifs, the text of v0.30.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """
-        Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP or DCP
-        scenario), wait for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, expected_consumers = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv (staged until the request
-                        # registers to send) or repeats a completed one.
-                        self._notif_not_held(
-                            req_id, int(expected_consumers), notified_req_ids
-                        )
-                        continue
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # Every reader of this req_id reports the same count (it's
-                # derived from aggregate topology, not the specific rank),
-                # so repeated notifications never disagree on it.
-                self.expected_consumer_notifications_by_req[req_id] = int(
-                    expected_consumers
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == self.expected_consumer_notifications_by_req[req_id]
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    del self.expected_consumer_notifications_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-        self._note_pulls(notified_req_ids)
-        return self._release_pulled_siblings(notified_req_ids)
-
-
-@amend("F3", ">=0.31.0,<0.32.0")
-class NixlPullConnectorWorker:
-    """F3: _get_new_notifs, the text of v0.31.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP or DCP
-        scenario), wait for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, expected_consumers = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv (staged until the request
-                        # registers to send) or repeats a completed one.
-                        self._notif_not_held(
-                            req_id, int(expected_consumers), notified_req_ids
-                        )
-                        continue
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # Every reader of this req_id reports the same count (it's
-                # derived from aggregate topology, not the specific rank),
-                # so repeated notifications never disagree on it.
-                self.expected_consumer_notifications_by_req[req_id] = int(
-                    expected_consumers
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == self.expected_consumer_notifications_by_req[req_id]
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    del self.expected_consumer_notifications_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-        self._note_pulls(notified_req_ids)
-        return self._release_pulled_siblings(notified_req_ids)
-
-
-@amend("F3", ">=0.32.0,<0.34.0")
-class NixlPullConnectorWorker:
-    """F3: _get_new_notifs, the text of v0.33.0."""
-
-    def _get_new_notifs(self) -> set[str]:
-        """Get req_ids which got a remote xfer message. When multiple consumers
-        are reading from the same producer (heterogeneous TP or DCP
-        scenario), wait for all consumers to be done pulling.
-
-        Also handles heartbeat notifications ("HB:req1,req2,...") by
-        extending the lease on the referenced requests.
-        """
-        assert self.transfer_topo is not None
-        notified_req_ids: set[str] = set()
-        for notifs in self._sibling_reads(self.nixl_wrapper.get_new_notifs()).values():
-            for notif in notifs:
-                msg = notif.decode("utf-8")
-
-                # Handle heartbeat messages from D-side.
-                if msg.startswith("HB:"):
-                    self._handle_heartbeat(msg[3:])
-                    continue
-
-                req_id, expected_consumers = msg.rsplit(":", 1)
-                if (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    if not self._early_notifs.is_late(req_id):
-                        # The pull raced start_load_kv (staged until the request
-                        # registers to send) or repeats a completed one.
-                        self._notif_not_held(
-                            req_id, int(expected_consumers), notified_req_ids
-                        )
-                        continue
-                    self.xfer_stats.record_notification_after_expiry()
-                    logger.error(
-                        "Potentially invalid KV blocks for "
-                        "unrecognized request %s were retrieved by "
-                        "a decode worker. They may have expired.",
-                        req_id,
-                    )
-                    continue
-
-                # Every reader of this req_id reports the same count (it's
-                # derived from aggregate topology, not the specific rank),
-                # so repeated notifications never disagree on it.
-                self.expected_consumer_notifications_by_req[req_id] = int(
-                    expected_consumers
-                )
-
-                self.consumer_notification_counts_by_req[req_id] += 1
-                # Wait all consumers (D) to be done reading before freeing.
-                if (
-                    self.consumer_notification_counts_by_req[req_id]
-                    == self.expected_consumer_notifications_by_req[req_id]
-                ):
-                    notified_req_ids.add(req_id)
-                    del self.consumer_notification_counts_by_req[req_id]
-                    del self.expected_consumer_notifications_by_req[req_id]
-                    self._reqs_to_process.remove(req_id)
-                    self._reqs_to_send.pop(req_id, None)
-        self._note_pulls(notified_req_ids)
-        return self._release_pulled_siblings(notified_req_ids)
