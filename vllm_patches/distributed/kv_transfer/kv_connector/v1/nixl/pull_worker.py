@@ -151,12 +151,12 @@ class NixlPullConnectorWorker:
         it does not hold at that point: staged until the request registers, or
         ignored as a repeat of a completed pull (``_notif_not_held``).
 
-        Runs after F2's ``_sibling_reads``, on what upstream's loop then counts,
-        and replays that loop's count (a held request is released when its count
-        reaches the notifications per request, ``_notifications_per_reader`` of
-        the number each carries), so that a notification after the one that
-        completes its request in the same call is not held, as upstream's loop
-        sees it. Late notifications (``is_late``) and heartbeats pass untouched:
+        Runs after ``_sibling_reads`` (the parallel-sampling hold-back), on what
+        upstream's loop then counts, and replays that loop's count (a held request
+        is released when its count reaches the notifications per request,
+        ``_notifications_per_reader`` of the number each carries), so that a
+        notification after the one that completes its request in the same call
+        is not held, as upstream's loop sees it. Late notifications (``is_late``) and heartbeats pass untouched:
         upstream's loop logs its error for the former (and, from v0.32, counts
         them). Notes the requests the loop releases (``_note_pulls``).
         O(notifications).
