@@ -121,7 +121,7 @@ class Overlay:
 # their overlays are rewritten on other branches (F2, F3: i17-f3hooks; F4: i15-f4). After
 # merging, ``tools/drop_bounds.py`` drops those bounds; then remove the fix from here
 # (tests/tool/test_splice.py says when) and the check is strict for it.
-TRANSITIONAL_BOUNDS = frozenset({"F2", "F3", "F4"})
+TRANSITIONAL_BOUNDS = frozenset({"F4"})
 
 
 @dataclass(frozen=True)

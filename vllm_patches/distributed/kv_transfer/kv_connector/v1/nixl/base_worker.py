@@ -26,7 +26,7 @@ from vllm import envs
 from vllm_patches._overlay import add, amend, call_at_end_of, filter_result_of
 
 
-@amend("F2", ">=0.24.0,<0.34.0")
+@amend("F2", ">=0.24.0")
 @amend("F2", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
 @amend(
     "F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
@@ -112,7 +112,7 @@ class NixlBaseConnectorWorker:
         return released
 
 
-@amend("F2", ">=0.24.0,<0.34.0")
+@amend("F2", ">=0.24.0")
 class NixlBaseConnectorWorker:
     """F2: subclasses own the notification counters."""
 
@@ -127,7 +127,7 @@ class NixlBaseConnectorWorker:
         raise NotImplementedError
 
 
-@amend("F3", ">=0.24.0,<0.34.0")
+@amend("F3", ">=0.24.0")
 @amend("F3", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
 @amend(
     "F3", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
@@ -256,7 +256,7 @@ class NixlBaseConnectorWorker:
         return finished
 
 
-@amend("F3", ">=0.30.0,<0.34.0")
+@amend("F3", ">=0.30.0")
 class NixlBaseConnectorWorker:
     """F3: late notifications, from v0.30 (get_transfer_results)."""
 
@@ -269,7 +269,7 @@ class NixlBaseConnectorWorker:
         return results
 
 
-@add("F2", ">=0.24.0,<0.34.0")
+@add("F2", ">=0.24.0")
 @add("F2", ">=0.20.0,<0.24.0", into="worker.py")
 @add("F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py")
 class BestOfSiblings:
@@ -433,7 +433,7 @@ class BestOfSiblings:
         return late
 
 
-@add("F3", ">=0.24.0,<0.34.0")
+@add("F3", ">=0.24.0")
 @add("F3", ">=0.20.0,<0.24.0", into="worker.py")
 @add("F3", ">=0.18.0,<0.20.0", into="../nixl_connector.py")
 class EarlyPullNotifications:

@@ -51,7 +51,7 @@ class NixlPullConnectorWorker:
         return -tp_ratio if tp_size > self.world_size else 1
 
 
-@amend("F2", ">=0.29.0,<0.34.0")
+@amend("F2", ">=0.29.0")
 class NixlPullConnectorWorker:
     """F2: the notification counters, from v0.29 (expected count in the notification)."""
 
@@ -68,7 +68,7 @@ class NixlPullConnectorWorker:
         return expected_consumers
 
 
-@amend("F2", ">=0.24.0,<0.34.0")
+@amend("F2", ">=0.24.0")
 @amend("F2", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
 @amend(
     "F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
@@ -135,7 +135,7 @@ class NixlPullConnectorWorker:
         return notified_req_ids
 
 
-@amend("F3", ">=0.24.0,<0.34.0")
+@amend("F3", ">=0.24.0")
 @amend("F3", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
 @amend(
     "F3", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
