@@ -63,7 +63,17 @@ from packaging.version import InvalidVersion, Version
 
 from vllm_patches import _series
 from vllm_patches._errors import UserError
-from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, FILTER_CALL_IN, HOOKS
+from vllm_patches._overlay import (
+    ADD,
+    AMEND,
+    CALL_AT_END_OF,
+    FILTER_CALL_IN,
+    HOOKS,
+    REDIRECT_CALL_IN,
+)
+
+# Hook kinds that rewrite calls inside the upstream method, recompiled from its source.
+CALL_REWRITES = (FILTER_CALL_IN, REDIRECT_CALL_IN)
 from vllm_patches._series import Fix, Series, describe_releases
 
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
@@ -630,8 +640,8 @@ def _validate(item: _OverlayPlan, skip: set[str]) -> None:
                     raise ActivationError(
                         f"{definition.fix}: {where}: {name}.{member.call_target} has no "
                         f"parameter {', '.join(missing)} for {member.name}")
-                if member.hook[0] == FILTER_CALL_IN:
-                    _filter_calls_in(target, member, definition.fix)  # fails before any change
+                if member.hook[0] in CALL_REWRITES:
+                    _filter_calls_in(target, [member], definition.fix)  # fails before any change
             if dataclasses.is_dataclass(target) and any(
                     isinstance(m.node, ast.AnnAssign) for m in definition.members):
                 _check_dataclass_amendable(target, definition.fix, where)
@@ -750,24 +760,33 @@ def _amend_class(cls: type, partial: type, definition: _Definition) -> list[Inst
         _amend_dataclass(cls, partial, fields, annotations)
         installed += [Installed(definition.fix, cls, name, cls.__dataclass_fields__[name], "field")
                       for name in fields]
-    # Call filters recompile the upstream function itself: before any wrapper goes on it.
-    for member in sorted(definition.members, key=lambda m: m.hook is None or
-                         m.hook[0] != FILTER_CALL_IN):
-        if member.hook:
+    # Call rewrites recompile the upstream function itself, all of one method in one
+    # recompile (its source is upstream's, so a second recompile would lose the first):
+    # before any wrapper goes on it.
+    rewrites: dict[str, list[_Member]] = {}
+    for member in definition.members:
+        if member.hook and member.hook[0] in CALL_REWRITES:
+            rewrites.setdefault(member.hook[1], []).append(member)
+    for target, members in rewrites.items():
+        setattr(cls, target, _filter_calls_in(cls, members, ""))
+        installed += [Installed(definition.fix, cls, target, m.name, "call") for m in members]
+    for member in definition.members:
+        if member.hook and member.hook[0] not in CALL_REWRITES:
             _hook_into(cls, member)
             installed.append(Installed(definition.fix, cls, member.call_target, member.name,
                                        "call"))
     return installed
 
 
-def _filter_calls_in(cls: type, member: _Member, fix: str) -> types.FunctionType:
-    """Upstream ``cls.<target>`` recompiled from its source with the splice's rewrite
-    (``@filter_call_in``), in its module's namespace, at its own file and lines."""
+def _filter_calls_in(cls: type, members: list[_Member], fix: str) -> types.FunctionType:
+    """Upstream ``cls.<target>`` recompiled from its source with the splice's rewrites
+    (``@filter_call_in``, ``@redirect_call_in``) of ``members``, all hooked into one
+    method, in its module's namespace, at its own file and lines."""
     import libcst as cst
 
     from vllm_patches._splice import SpliceError, filter_calls
 
-    _, target, callee = member.hook  # type: ignore[misc]
+    target = members[0].hook[1]  # type: ignore[index]
     where = f"{fix}: {cls.__module__}.{cls.__qualname__}.{target}".lstrip(": ")
     original = cls.__dict__[target]
     if not isinstance(original, types.FunctionType) or original.__code__.co_freevars:
@@ -779,10 +798,13 @@ def _filter_calls_in(cls: type, member: _Member, fix: str) -> types.FunctionType
     function = cst.parse_module(textwrap.dedent("".join(lines))).body[0]
     assert isinstance(function, cst.FunctionDef), where
     try:
-        rewritten = filter_calls(function, callee, member.name, where)
+        for member in members:
+            kind, _, callee = member.hook  # type: ignore[misc]
+            function = filter_calls(function, callee, member.name, where,
+                                    kind == REDIRECT_CALL_IN)
     except SpliceError as exc:
         raise ActivationError(str(exc)) from exc
-    tree = ast.parse(cst.Module(body=[rewritten]).code)
+    tree = ast.parse(cst.Module(body=[function]).code)
     ast.increment_lineno(tree, first - 1)
     namespace = sys.modules[cls.__module__].__dict__
     flags = __future__.annotations.compiler_flag \
@@ -800,10 +822,7 @@ def _hook_into(cls: type, member: _Member) -> None:
     kind, target = member.hook[:2]  # type: ignore[index]
     original = cls.__dict__[target]
     method = member.name
-    if kind == FILTER_CALL_IN:
-        # From the method as it is now: an earlier fix may have replaced it.
-        wrapper = _filter_calls_in(cls, member, "")
-    elif kind == CALL_AT_END_OF:
+    if kind == CALL_AT_END_OF:
         names = member.hook_parameters
         signature = inspect.signature(original)
 

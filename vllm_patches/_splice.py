@@ -24,6 +24,7 @@ from vllm_patches._overlay import (
     FILTER_CALL_IN,
     FILTER_RESULT_OF,
     HOOKS,
+    REDIRECT_CALL_IN,
 )
 from vllm_patches._series import describe_releases
 
@@ -435,24 +436,29 @@ class _ReturnRewriter(_OwnScopeTransformer):
 
 
 class _CallFilter(_OwnScopeTransformer):
-    """Wraps every call of one callee in one function body (not in nested scopes)."""
+    """Wraps every call of one callee in one function body (not in nested scopes), or
+    with ``redirect`` sends it to the hook instead (same arguments)."""
 
-    def __init__(self, callee: str, hook_call: str) -> None:
+    def __init__(self, callee: str, hook_call: str, redirect: bool = False) -> None:
         super().__init__()
-        self.callee, self.hook_call = callee, hook_call
+        self.callee, self.hook_call, self.redirect = callee, hook_call, redirect
         self.calls = 0
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         if self.nested or cst.Module([]).code_for_node(original.func) != self.callee:
             return updated
         self.calls += 1
+        if self.redirect:
+            return updated.with_changes(func=cst.parse_expression(self.hook_call))
         return cst.parse_expression(f"{self.hook_call}(_)").with_changes(args=[cst.Arg(updated)])
 
 
-def filter_calls(function: cst.FunctionDef, callee: str, hook: str, where: str) -> cst.FunctionDef:
+def filter_calls(function: cst.FunctionDef, callee: str, hook: str, where: str,
+                 redirect: bool = False) -> cst.FunctionDef:
     """``function`` with each call of ``callee`` in its body ``c(...)`` written
-    ``self.<hook>(c(...))`` (``@filter_call_in``); the splice and the runtime both use it."""
-    rewriter = _CallFilter(callee, f"self.{hook}")
+    ``self.<hook>(c(...))`` (``@filter_call_in``), or ``self.<hook>(...)`` with
+    ``redirect`` (``@redirect_call_in``); the splice and the runtime both use it."""
+    rewriter = _CallFilter(callee, f"self.{hook}", redirect)
     body = function.body.visit(rewriter)
     if not rewriter.calls:
         raise SpliceError(f"{where}: {function.name.value} makes no call of {callee}")
@@ -475,8 +481,8 @@ def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef
     name = hook.name.value
     if kind in (FILTER_RESULT_OF, FILTER_CALL_IN) and len(params) != 1:
         raise SpliceError(f"{where}: the hook takes one argument, the result")
-    if kind == FILTER_CALL_IN:
-        body[i] = filter_calls(node, marker[2], name, where)
+    if kind in (FILTER_CALL_IN, REDIRECT_CALL_IN):
+        body[i] = filter_calls(node, marker[2], name, where, kind == REDIRECT_CALL_IN)
         return cls.with_changes(body=cls.body.with_changes(body=body))
     if kind == FILTER_RESULT_OF:
         rewriter = _ReturnRewriter(kind, f"self.{name}", where)
