@@ -20,9 +20,10 @@ How a fix is installed mirrors the static splice (``_splice``) exactly:
   gets the live class); new dataclass fields re-run ``dataclasses.dataclass`` on the
   live class in place; ``@call_at_end_of(m)`` wraps upstream ``m`` to call the new
   method when it returns (with the arguments it names), ``@filter_result_of(m)`` to
-  pass its result through the new method; ``@filter_call_in(m, c)`` recompiles
-  upstream ``m`` from its source with the splice's own rewrite (``_splice.filter_calls``),
-  in its module, at its file and line; an amended module function replaces the module's binding
+  pass its result through the new method; ``@filter_call_in(m, c)`` and
+  ``@redirect_call_in(m, c)`` recompile upstream ``m`` from its source with the splice's
+  own rewrite (``_splice.filter_calls``), all of one method in one recompile, in its
+  module, at its file and line; an amended module function replaces the module's binding
   and every same-named binding of it in loaded modules; ``@add`` binds a new name.
 
 Anything unexpected is an ``ActivationError``, raised into vLLM, which then fails to
