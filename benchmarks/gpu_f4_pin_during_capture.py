@@ -9,7 +9,7 @@ host memory:
 - ``before``  (F4 until this change, and upstream's reverted PR 45850): the pin
   thread starts before capture, one cudaHostRegister for the whole tensor;
 - ``after``   (F4 now): capture first, then the pin thread, in row-aligned chunks of
-  --chunk-gib (16 GiB, F4's PIN_CHUNK_BYTES);
+  --chunk-gib (16 GiB, F4's AsyncCacheRegistration.CHUNK_BYTES);
 - ``after-whole``: capture first, then one cudaHostRegister for the whole tensor
   (one big registration vs chunks, for the driver-lock stall).
 

@@ -33,12 +33,6 @@ class SimpleCPUOffloadWorkerMetadata:
         )
 
 
-# The option's name in upstream's open PR 54792 (same meaning: pin in the background,
-# offload once every rank is ready). Accepted too, so a config written for that PR
-# works with this fix and keeps working once upstream ships it.
-ASYNC_REGISTER_OPTIONS = ("async_register_cache", "async_init")
-
-
 @add("F4", ">=0.19.0,<0.34.0")
 def get_async_register_cache(vllm_config: VllmConfig | None) -> bool:
     """Return ``kv_connector_extra_config["async_register_cache"]`` (or its alias
@@ -59,7 +53,10 @@ def get_async_register_cache(vllm_config: VllmConfig | None) -> bool:
     if vllm_config is None or vllm_config.kv_transfer_config is None:
         return False
     extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    given = {k: extra_config[k] for k in ASYNC_REGISTER_OPTIONS if k in extra_config}
+    # "async_init" is the name in upstream's open PR 54792 (same meaning); accepted
+    # so a config written for that PR works here and once upstream ships it.
+    names = ("async_register_cache", "async_init")
+    given = {k: extra_config[k] for k in names if k in extra_config}
     for key, value in given.items():
         if not isinstance(value, bool):
             raise ValueError(

@@ -34,16 +34,6 @@ from vllm_patches._overlay import (
     redirect_call_in,
 )
 
-# The most one cudaHostRegister call pins. One call of 512 GiB or more fails with
-# cudaErrorMemoryAllocation however much memory is free (vllm#51080), and the call
-# holds driver-global locks for its whole length (TensorRT-LLM#17429), stalling
-# other CUDA calls of the process. 16 GiB is a quarter of the 64 GiB upstream's
-# OffloadingConnector uses (vllm#51081): at the few GB/s page-locking runs at, a
-# call ends within seconds, and 4 TB still takes only 256 calls.
-PIN_CHUNK_BYTES = 16 << 30
-# Progress lines: at most one per tenth of the tier, and none closer than this.
-PIN_PROGRESS_INTERVAL_S = 10.0
-
 
 @add("F4", ">=0.19.0,<0.34.0")
 def host_register(address: int, nbytes: int) -> None:
@@ -84,8 +74,10 @@ class PinProgress:
     """Logs how far a background pin got: GB done, rate, estimated time left.
 
     Bounded: one line each time another tenth of the tier is done, but none within
-    PIN_PROGRESS_INTERVAL_S of the previous one, plus the final line from the caller.
+    INTERVAL_S of the previous one, plus the final line from the caller.
     """
+
+    INTERVAL_S = 10.0
 
     def __init__(
         self, total_bytes: int, clock: Callable[[], float] = time.monotonic
@@ -101,7 +93,7 @@ class PinProgress:
         self.done_bytes += nbytes
         tenth = 10 * self.done_bytes // self.total_bytes
         now = self._clock()
-        if tenth <= self._last_tenth or now - self._last_line < PIN_PROGRESS_INTERVAL_S:
+        if tenth <= self._last_tenth or now - self._last_line < self.INTERVAL_S:
             return
         self._last_tenth, self._last_line = tenth, now
         rate = self.done_bytes / max(now - self.started, 1e-9)
@@ -135,6 +127,15 @@ class AsyncCacheRegistration:
     - A failure part-way unregisters every range this worker registered, is
       logged once, and is reported (``failed``): CPU offload stays off everywhere.
     """
+
+    # The most one cudaHostRegister call pins. One call of 512 GiB or more fails
+    # with cudaErrorMemoryAllocation however much memory is free (vllm#51080), and
+    # the call holds driver-global locks for its whole length (TensorRT-LLM#17429),
+    # stalling other CUDA calls of the process. 16 GiB is a quarter of the 64 GiB
+    # upstream's OffloadingConnector uses (vllm#51081): at the few GB/s
+    # page-locking runs at, a call ends within seconds, and 4 TB still takes only
+    # 256 calls.
+    CHUNK_BYTES = 16 << 30
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -189,7 +190,7 @@ class AsyncCacheRegistration:
             # device's context only, and a new thread starts on device 0.
             current_platform.set_device(self._device)
             for tensor in self._tensors:
-                for address, nbytes in pin_chunks(tensor, PIN_CHUNK_BYTES):
+                for address, nbytes in pin_chunks(tensor, self.CHUNK_BYTES):
                     # Stock allocates with torch.zeros; zeroing chunk by chunk keeps
                     # page faults off the calling thread. Both release the GIL.
                     offset = address - tensor.data_ptr()
