@@ -227,9 +227,9 @@ class _StubGpuWorker(gpu_worker_module.Worker):
 
 def _warm_up_and_capture(monkeypatch: pytest.MonkeyPatch, worker, cuda: _FakeCuda):
     """Run the GPU worker's compile_or_warm_up_model() with the SimpleCPUOffload
-    worker as its KV connector. Its capture_model() is the fake capture window,
-    and stays open long enough for a pin thread that is already running to call
-    into CUDA (up to 1 s)."""
+    worker as its KV connector. Its capture_model() ends the fake capture window
+    after giving a pin thread that is already running time to call into CUDA
+    (up to 1 s)."""
     connector = object.__new__(SimpleCPUOffloadConnector)
     connector.worker_handler = worker
     monkeypatch.setattr(gpu_worker_module, "has_kv_transfer_group", lambda: True)
@@ -257,11 +257,8 @@ def _warm_up_and_capture(monkeypatch: pytest.MonkeyPatch, worker, cuda: _FakeCud
         monkeypatch.setattr(jit_monitor, "activate", lambda *a, **k: None)
 
     def capture_model() -> int:
-        cuda.capture_open = True
-        try:
-            cuda.pinned.wait(timeout=1.0)
-        finally:
-            cuda.capture_open = False
+        cuda.pinned.wait(timeout=1.0)
+        cuda.capture_open = False  # capture ended; the last step of the window
         return 0
 
     runner = MagicMock(name="GPUModelRunner")
@@ -274,13 +271,14 @@ def _warm_up_and_capture(monkeypatch: pytest.MonkeyPatch, worker, cuda: _FakeCud
 
 def _register(monkeypatch, worker, kv_caches, cuda: _FakeCuda) -> None:
     """initialize_from_config's register_kv_caches(), then compile_or_warm_up_model():
-    the whole span is capture-risky, so it counts as the capture window."""
+    the whole span is capture-risky, so it is one capture window, open from the
+    start of register_kv_caches() until capture_model() returns."""
     cuda.capture_open = True
     try:
         worker.register_kv_caches(kv_caches)
+        _warm_up_and_capture(monkeypatch, worker, cuda)
     finally:
         cuda.capture_open = False
-    _warm_up_and_capture(monkeypatch, worker, cuda)
 
 
 def _make_connector(
