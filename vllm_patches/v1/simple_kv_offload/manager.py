@@ -24,11 +24,14 @@ class SimpleCPUOffloadScheduler:
         opens when all ``_expected_worker_count`` workers have reported; until
         then SimpleCPUOffloadConnector matches no CPU hit and builds no load or
         store, so no transfer can reach a worker that cannot run it yet. A
-        worker whose registration fails never reports, and the gate stays
-        closed. Without the option the gate is open from the start.
+        worker whose registration fails reports failure (it unregistered what it
+        pinned): the gate never opens, on any rank, and that is logged once.
+        Without the option the gate is open from the start.
         """
         self._ready_worker_ranks: set[int] = set()
+        self._failed_worker_ranks: set[int] = set()
         self._workers_ready = not get_async_register_cache(self.vllm_config)
+        self._gate_created = time.monotonic()
 
     def is_ready(self) -> bool:
         """Whether every worker can run CPU offload transfers."""
