@@ -661,10 +661,10 @@ def test_gate_stays_closed_if_a_rank_fails():
 def test_failed_rank_keeps_every_rank_off(monkeypatch):
     """vllm#51762: a rank that reports failure keeps CPU offload off everywhere,
     whatever the others report; the scheduler logs it once."""
-    logger = MagicMock()
-    monkeypatch.setattr(manager_module, "logger", logger)
     connector, fix = _make_connector(ASYNC, world_size=4)
     hit = _put_in_cpu_cache(fix)
+    logger = MagicMock()  # after setup: upstream logs its CPU block count there
+    monkeypatch.setattr(manager_module, "logger", logger)
     failed = SimpleCPUOffloadWorkerMetadata(
         completed_store_events={}, failed_ranks=frozenset({2})
     )
@@ -680,9 +680,9 @@ def test_failed_rank_keeps_every_rank_off(monkeypatch):
 
 
 def test_gate_open_is_logged_with_its_time(monkeypatch):
-    logger = MagicMock()
-    monkeypatch.setattr(manager_module, "logger", logger)
     connector, fix = _make_connector(ASYNC, world_size=2)
+    logger = MagicMock()  # after setup: upstream logs its CPU block count there
+    monkeypatch.setattr(manager_module, "logger", logger)
     _report_ready(connector, 0, 1)
     assert fix.scheduler.is_ready()
     (call,) = logger.info.call_args_list
