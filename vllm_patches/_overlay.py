@@ -52,6 +52,13 @@ that class, so a fix adds a step without replacing (and copying) a long method:
     (F2 sees the NIXL notifications before upstream's loop counts them). Filters of
     one callee by several fixes compose in series order, the earlier fix's
     innermost: ``self.<h2>(self.<h1>(self.agent.poll()))``.
+``@redirect_call_in("m", "pin_tensor")``
+    Inside upstream ``m`` (not in nested functions), every call written ``pin_tensor(...)``
+    becomes ``self.<hook>(...)`` with the same arguments: the hook decides whether and
+    when the call runs and returns what ``m`` then works with. ``m`` must make at least
+    one such call. For a step that must move elsewhere (F4 defers the pin and the copy
+    backend's init until the worker finished CUDA-graph capture). Call filters and
+    redirects of one method are one rewrite; a redirected callee takes no filter.
 
 Hooks of several fixes on one method compose in series order, the later fix's
 outside.
@@ -105,7 +112,10 @@ HOOK_ATTR = "__vllm_patches_hook__"
 CALL_AT_END_OF = "call_at_end_of"
 FILTER_RESULT_OF = "filter_result_of"
 FILTER_CALL_IN = "filter_call_in"
-HOOKS = {CALL_AT_END_OF, FILTER_RESULT_OF, FILTER_CALL_IN}
+REDIRECT_CALL_IN = "redirect_call_in"
+HOOKS = {CALL_AT_END_OF, FILTER_RESULT_OF, FILTER_CALL_IN, REDIRECT_CALL_IN}
+# Hook kinds that rewrite calls inside the upstream method: one rewrite per method.
+CALL_REWRITES = (FILTER_CALL_IN, REDIRECT_CALL_IN)
 
 
 def _hook(kind: str, method: str, call: str | None = None) -> Callable[[Definition], Definition]:
@@ -131,3 +141,9 @@ def filter_call_in(method: str, call: str) -> Callable[[Definition], Definition]
     """Pass what each call ``call`` (a dotted callee, ``self.agent.poll``) inside upstream
     ``method`` returns through the decorated new method."""
     return _hook(FILTER_CALL_IN, method, call)
+
+
+def redirect_call_in(method: str, call: str) -> Callable[[Definition], Definition]:
+    """Send each call ``call`` (a dotted callee, ``pin_tensor``) inside upstream ``method``
+    to the decorated new method instead, with the same arguments."""
+    return _hook(REDIRECT_CALL_IN, method, call)

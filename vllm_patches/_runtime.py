@@ -20,8 +20,8 @@ How a fix is installed mirrors the static splice (``_splice``) exactly:
   gets the live class); new dataclass fields re-run ``dataclasses.dataclass`` on the
   live class in place; ``@call_at_end_of(m)`` wraps upstream ``m`` to call the new
   method when it returns (with the arguments it names), ``@filter_result_of(m)`` to
-  pass its result through the new method; the ``@filter_call_in(m, c)`` hooks of all
-  fixes recompile upstream ``m`` once from its source with the splice's own rewrite
+  pass its result through the new method; the ``@filter_call_in(m, c)`` and
+  ``@redirect_call_in(m, c)`` hooks of all fixes recompile upstream ``m`` once from its source with the splice's own rewrite
   (``_splice.filter_calls``), in its module, at its file and line, before any wrapper
   goes on it; an amended module function replaces the module's binding
   and every same-named binding of it in loaded modules; ``@add`` binds a new name.
@@ -79,7 +79,7 @@ from packaging.version import InvalidVersion, Version
 
 from vllm_patches import _series
 from vllm_patches._errors import UserError
-from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, FILTER_CALL_IN, HOOKS
+from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, CALL_REWRITES, HOOKS
 from vllm_patches._series import Fix, Need, Series
 
 if TYPE_CHECKING:
@@ -785,9 +785,9 @@ def _validate(item: _OverlayPlan, skip: set[str]) -> None:
                     raise ActivationError(
                         f"{definition.fix}: {where}: {name}.{member.call_target} has no "
                         f"parameter {', '.join(missing)} for {member.name}")
-                if member.hook[0] == FILTER_CALL_IN and (
+                if member.hook[0] in CALL_REWRITES and (
                         filters := call_filters.pop((name, member.call_target), None)):
-                    # All the method's filters, as installing applies them; before any change.
+                    # All the method's call rewrites, as installing applies them; before any change.
                     _filter_calls_in(target, member.call_target, filters, definition.fix)
             if dataclasses.is_dataclass(target) and any(
                     isinstance(m.node, ast.AnnAssign) for m in definition.members):
@@ -921,9 +921,9 @@ def _amend_class(cls: type, partial: type, definition: _Definition,
         _amend_dataclass(cls, partial, fields, annotations)
         installed += [Installed(definition.fix, cls, name, cls.__dataclass_fields__[name], "field")
                       for name in fields]
-    # Call filters recompile the upstream function itself: before any wrapper goes on it.
+    # Call rewrites recompile the upstream function itself: before any wrapper goes on it.
     for member in sorted(definition.members, key=lambda m: m.hook is None or
-                         m.hook[0] != FILTER_CALL_IN):
+                         m.hook[0] not in CALL_REWRITES):
         if member.hook:
             _hook_into(cls, definition.name, member, call_filters)
             installed.append(Installed(definition.fix, cls, member.call_target, member.name,
@@ -934,7 +934,7 @@ def _amend_class(cls: type, partial: type, definition: _Definition,
 def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str]],
                      fix: str) -> types.FunctionType:
     """Upstream ``cls.<target>`` recompiled from its source with the splice's rewrite of
-    all its ``filters`` (``@filter_call_in``, ``_splice.filter_calls``), in its module's
+    all its ``filters`` (``@filter_call_in``, ``@redirect_call_in``: ``_splice.filter_calls``), in its module's
     namespace, at its own file and lines. One recompile per method: the source read is
     the text of the file, so a second recompile would lose the first one's rewrite."""
     import libcst as cst
@@ -974,7 +974,7 @@ def _hook_into(cls: type, name: str, member: _Member, call_filters: CallFilters)
     kind, target = member.hook[:2]  # type: ignore[index]
     original = cls.__dict__[target]
     method = member.name
-    if kind == FILTER_CALL_IN:
+    if kind in CALL_REWRITES:
         filters = call_filters.pop((name, target), None)
         if filters is None:
             return  # the method's first call filter applied this one with its own

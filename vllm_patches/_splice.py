@@ -22,9 +22,11 @@ from vllm_patches._overlay import (
     ADD,
     AMEND,
     CALL_AT_END_OF,
+    CALL_REWRITES,
     FILTER_CALL_IN,
     FILTER_RESULT_OF,
     HOOKS,
+    REDIRECT_CALL_IN,
 )
 from vllm_patches._series import describe_releases
 
@@ -502,15 +504,17 @@ class _ReturnRewriter(_OwnScopeTransformer):
 
 
 class _CallFilter(_OwnScopeTransformer):
-    """Wraps every call of the filtered callees in one function body (not in nested
-    scopes) in their hooks, the first hook innermost; a wrapped call that makes its
-    line longer than ``line_length`` (when given) is laid out as ruff lays it out,
-    the argument of the outermost hook on a line of its own."""
+    """Rewrites every call of the hooked callees in one function body (not in nested
+    scopes): a redirect sends the call to its hook instead (same arguments), a filter
+    wraps it in its hook, in order, the first innermost; a wrapped call that makes its
+    line longer than ``line_length`` (when given) is laid out as ruff lays it out, the
+    argument of the outermost hook on a line of its own."""
 
-    def __init__(self, hooks: dict[str, list[str]], lines: list[str], column: int,
-                 positions: Mapping[cst.CSTNode, CodeRange], line_length: int | None) -> None:
+    def __init__(self, hooks: dict[str, list[tuple[str, bool]]], lines: list[str],
+                 column: int, positions: Mapping[cst.CSTNode, CodeRange],
+                 line_length: int | None) -> None:
         super().__init__()
-        self.hooks = hooks  # callee -> hook calls, in order
+        self.hooks = hooks  # callee -> (hook call, redirect), in order
         self.calls: dict[str, int] = dict.fromkeys(hooks, 0)
         self.lines, self.column, self.positions = lines, column, positions
         self.line_length = line_length
@@ -521,52 +525,65 @@ class _CallFilter(_OwnScopeTransformer):
             return updated
         self.calls[callee] += 1
         wrapped: cst.BaseExpression = updated
-        for hook_call in self.hooks[callee]:
-            wrapped = cst.parse_expression(f"{hook_call}(_)").with_changes(args=[cst.Arg(wrapped)])
-        if self._too_long(original, callee):
+        for hook_call, redirect in self.hooks[callee]:
+            if redirect:
+                wrapped = updated.with_changes(func=cst.parse_expression(hook_call))
+            else:
+                wrapped = cst.parse_expression(f"{hook_call}(_)").with_changes(
+                    args=[cst.Arg(wrapped)])
+        if wrapped is not updated and self._too_long(original, callee) and not \
+                self.hooks[callee][-1][1]:
             assert isinstance(wrapped, cst.Call)
             wrapped = _one_argument_per_line(wrapped)
         return wrapped
 
     def _too_long(self, original: cst.Call, callee: str) -> bool:
-        """Whether wrapping ``original`` (on one line) makes its line too long."""
+        """Whether rewriting ``original`` (on one line) makes its line too long."""
         where = self.positions[original]
         if self.line_length is None or where.start.line != where.end.line:
             return False
-        added = sum(len(hook_call) + 2 for hook_call in self.hooks[callee])
+        added = sum(len(hook_call) - len(callee) if redirect else len(hook_call) + 2
+                    for hook_call, redirect in self.hooks[callee])
         line = self.lines[where.start.line - 1]
         return self.column + len(line) + added > self.line_length
 
 
-# (upstream class, method) -> the (callee, hook) pairs of its @filter_call_in hooks, in
-# series order: what one rewrite of that method applies.
-CallFilters = dict[tuple[str, str], list[tuple[str, str]]]
+# (upstream class, method) -> the (callee, hook, redirect) of its @filter_call_in and
+# @redirect_call_in hooks, in series order: what one rewrite of that method applies.
+CallFilters = dict[tuple[str, str], list[tuple[str, str, bool]]]
 
 
 def group_call_filters(hooks: Iterable[tuple[str, tuple[str, ...], str]]) -> CallFilters:
-    """The call filters of ``hooks`` ((upstream class, hook marker, hook method) in
+    """The call rewrites of ``hooks`` ((upstream class, hook marker, hook method) in
     series order) grouped per method, so that each method is rewritten once with all
     of them: two filters of one callee compose, the earlier fix's innermost."""
     grouped: CallFilters = {}
     for cls, marker, hook in hooks:
-        if marker[0] == FILTER_CALL_IN:
-            grouped.setdefault((cls, marker[1]), []).append((marker[2], hook))
+        if marker[0] in CALL_REWRITES:
+            grouped.setdefault((cls, marker[1]), []).append(
+                (marker[2], hook, marker[0] == REDIRECT_CALL_IN))
     return grouped
 
 
-def filter_calls(function: cst.FunctionDef, filters: list[tuple[str, str]], where: str,
+def filter_calls(function: cst.FunctionDef, filters: list[tuple[str, str, bool]], where: str,
                  column: int = 0, line_length: int | None = None) -> cst.FunctionDef:
-    """``function`` with each call ``c(...)`` of a filtered callee in its body written
-    ``self.<hook>(c(...))``, for each ``(callee, hook)`` of ``filters`` in order (a
-    later filter of the same callee wraps the earlier: ``self.<h2>(self.<h1>(c(...)))``).
-    ``@filter_call_in``'s one rewrite: the splice and the runtime both apply all the
-    filters of a method with it, in one pass.
+    """``function`` with each call ``c(...)`` of a hooked callee in its body rewritten,
+    for each ``(callee, hook, redirect)`` of ``filters`` in order: ``self.<hook>(c(...))``
+    (``@filter_call_in``; a later filter of the same callee wraps the earlier:
+    ``self.<h2>(self.<h1>(c(...)))``) or, with ``redirect``, ``self.<hook>(...)``
+    (``@redirect_call_in``; a redirected callee takes no other hook). The one rewrite
+    of both kinds: the splice and the runtime apply all of a method's with it, in one
+    pass.
 
     ``column``: where ``function``'s ``def`` starts; with ``line_length`` (the splice:
     the text must pass ruff format), a line that the hooks make too long is split."""
-    hooks: dict[str, list[str]] = {}
-    for callee, hook in filters:
-        hooks.setdefault(callee, []).append(f"self.{hook}")
+    hooks: dict[str, list[tuple[str, bool]]] = {}
+    for callee, hook, redirect in filters:
+        hooks.setdefault(callee, []).append((f"self.{hook}", redirect))
+    if shared := [callee for callee, each in hooks.items()
+                  if len(each) > 1 and any(redirect for _, redirect in each)]:
+        raise SpliceError(f"{where}: {', '.join(shared)} is redirected and hooked again; "
+                          "a redirected call takes no other hook")
     alone = cst.Module(body=[function])
     positions = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
     rewriter = _CallFilter(hooks, alone.code.splitlines(), column, positions, line_length)
@@ -595,7 +612,7 @@ def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef
     name = hook.name.value
     if kind in (FILTER_RESULT_OF, FILTER_CALL_IN) and len(params) != 1:
         raise SpliceError(f"{where}: the hook takes one argument, the result")
-    if kind == FILTER_CALL_IN:
+    if kind in CALL_REWRITES:
         filters = call_filters.pop((cls.name.value, target), None)
         if filters is not None:
             column = len(cls.body.indent if cls.body.indent is not None else "    ")

@@ -315,6 +315,21 @@ def test_call_filters_of_two_fixes_compose_in_one_recompile(fake):
     assert module.Worker.notifs.__wrapped__ is recompiled, "one recompile, under F1's wrapper"
 
 
+def test_call_rewrites_of_one_method_are_all_installed(fake):
+    """A redirect and a filter in one method: one recompile holds both."""
+    fake.module("core.worker", POLLING)
+    fake.overlay("core/worker.py", POLLING_OVERLAY.replace(
+        "from vllm_patches._overlay import amend, filter_call_in, filter_result_of",
+        "from vllm_patches._overlay import amend, filter_call_in, filter_result_of, "
+        "redirect_call_in") + '''
+    @redirect_call_in("notifs", "set")
+    def _as_sorted_set(self, extra):
+        return set(sorted(extra)) | {"r"}
+''')
+    fake.install([make_fix("F1", ["core/worker.py"])])
+    assert fake.get("core.worker").Worker().notifs(extra=["x"]) == {"a", "x", "z", "r"}
+
+
 def test_a_call_filter_without_the_call_is_an_error(fake):
     fake.module("core.worker", POLLING)
     fake.overlay("core/worker.py", POLLING_OVERLAY.replace('"self.agent.poll"', '"self.agent.peek"'))

@@ -49,7 +49,7 @@ UPSTREAM = textwrap.dedent('''\
 def write_overlay(tmp_path: Path, body: str) -> Overlay:
     path = tmp_path / "overlay.py"
     path.write_text("from vllm_patches._overlay import add, amend, call_at_end_of, filter_call_in, "
-                    "filter_result_of\n"
+                    "filter_result_of, redirect_call_in\n"
                     + textwrap.dedent(body))
     return Overlay.parse(path)
 
@@ -298,6 +298,26 @@ def test_filter_call_in_refuses_a_method_without_the_call(tmp_path):
         ''')
     with pytest.raises(SpliceError, match="notifs makes no call of self.agent.peek"):
         splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+
+
+def test_redirect_call_in_sends_each_call_to_the_hook_with_its_arguments(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @redirect_call_in("notifs", "self.agent.poll")
+            def _poll_later(self, *args):
+                return {}
+
+            @redirect_call_in("notifs", "self.agent.poll2")
+            def _poll2(self):
+                return 2
+        ''')
+    result = splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay.imports,
+                    overlay.path)
+    assert result.startswith(POLLING.replace(
+        "in self.agent.poll().items()", "in self._poll_later().items()").replace(
+        "found | self.agent.poll(1) | {self.agent.poll2()}",
+        "found | self._poll_later(1) | {self._poll2()}")), "nested scopes are left alone"
 
 
 @pytest.mark.parametrize(("marker", "target", "params", "error"), [

@@ -9,7 +9,13 @@ startup for minutes at hundreds of GB. With
 a background thread and reports its rank once its copy backend exists; the
 scheduler side builds no CPU load or store until every worker has reported.
 
-CPU only: pinning, CUDA streams and the DMA copy backend are mocked.
+The background pin must not overlap CUDA-graph capture (vllm#46933, why upstream
+reverted its background pin), must register in row-aligned chunks below 512 GiB
+(vllm#51080), must unregister what it pinned when it fails and keep offload off
+on every rank (vllm#51762), and must show its progress.
+
+CPU only: cudaHostRegister, CUDA streams, the DMA copy backend and the GPU
+worker's capture are fakes; tiers above 512 GiB are meta tensors.
 """
 
 from __future__ import annotations
@@ -18,13 +24,15 @@ import itertools
 import random
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
 
 import pytest
 import torch
-
+import vllm.v1.simple_kv_offload.manager as manager_module
 import vllm.v1.simple_kv_offload.worker as worker_module
+import vllm.v1.worker.gpu_worker as gpu_worker_module
 from tests.v1.simple_kv_offload.test_scheduler import (
     _BYTES_PER_BLOCK,
     BLOCK_SIZE,
@@ -38,13 +46,11 @@ from tests.v1.simple_kv_offload.test_scheduler import (
     simulate_store_completion,
 )
 from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1 import (
-    simple_cpu_offload_connector as connector_module,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
     SimpleCPUOffloadConnector,
 )
+from vllm.platforms import current_platform
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
@@ -52,6 +58,11 @@ from vllm.v1.simple_kv_offload.metadata import (
     SimpleCPUOffloadMetadata,
     SimpleCPUOffloadWorkerMetadata,
 )
+
+try:  # F4's; stock has none (its tests then fail at the call)
+    from vllm.v1.simple_kv_offload.metadata import get_async_register_cache
+except ImportError:
+    get_async_register_cache = None
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
@@ -97,14 +108,73 @@ class _FakeStream:
         return 0, -1
 
 
+class _FakeCuda:
+    """Records F4's CUDA work: cudaHostRegister ranges (fake, no memory is locked),
+    cudaHostUnregister, the copy backend's init; each with its thread.
+
+    ``capture_open`` is the fake capture window: any of these calls while it is
+    set is a violation (vllm#46933: a pin from another thread during a global-mode
+    CUDA-graph capture fails with error 900 or invalidates the capture).
+    """
+
+    def __init__(
+        self, fail_at: int | None = None, block: threading.Event | None = None
+    ):
+        self.fail_at, self.block = fail_at, block
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.whole_tensor_pins: list[torch.Tensor] = []
+        self.threads: list[threading.Thread] = []
+        self.capture_open = False
+        self.in_capture: list[str] = []
+        self.pinned = threading.Event()
+
+    def _call(self, what: str) -> None:
+        self.threads.append(threading.current_thread())
+        if self.capture_open:
+            self.in_capture.append(what)
+        self.pinned.set()
+        if self.block is not None:
+            self.block.wait(timeout=PIN_SECONDS)
+
+    def register(self, address: int, nbytes: int) -> None:
+        self._call("cudaHostRegister")
+        if self.fail_at is not None and len(self.registered) == self.fail_at:
+            raise RuntimeError("cudaHostRegister failed: cudaErrorMemoryAllocation")
+        self.registered.append((address, nbytes))
+
+    def unregister(self, address: int) -> None:
+        self.unregistered.append(address)
+
+    def pin_tensor(self, tensor: torch.Tensor) -> None:
+        """Stock's (and the first F4's) pin: one cudaHostRegister per tensor."""
+        self._call("pin_tensor")
+        if self.fail_at is not None:
+            raise RuntimeError("cudaHostRegister failed: cudaErrorMemoryAllocation")
+        self.whole_tensor_pins.append(tensor)
+
+    def backend_init(self, *args: Any) -> None:
+        self._call("DmaCopyBackend.init")
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(n for _, n in self.registered) + sum(
+            t.nbytes for t in self.whole_tensor_pins
+        )
+
+
 def _make_worker(
     monkeypatch: pytest.MonkeyPatch,
     extra: dict[str, Any] | None,
-    pin,
+    cuda: _FakeCuda,
     rank: int = 0,
-) -> tuple[SimpleCPUOffloadWorker, dict[str, torch.Tensor], MagicMock]:
-    """A worker whose pinning is ``pin`` and whose copy backend is a mock."""
-    monkeypatch.setattr(worker_module, "pin_tensor", pin)
+) -> tuple[SimpleCPUOffloadWorker, dict[str, torch.Tensor]]:
+    """A worker whose CUDA calls go to ``cuda``."""
+    monkeypatch.setattr(worker_module, "pin_tensor", cuda.pin_tensor)
+    monkeypatch.setattr(worker_module, "host_register", cuda.register, raising=False)
+    monkeypatch.setattr(
+        worker_module, "host_unregister", cuda.unregister, raising=False
+    )
     # Take the pinning path although the machine has no CUDA (the flag is
     # PIN_MEMORY from v0.24, is_pin_memory_available() before).
     monkeypatch.setattr(worker_module, "PIN_MEMORY", True, raising=False)
@@ -112,21 +182,103 @@ def _make_worker(
         worker_module, "is_pin_memory_available", lambda: True, raising=False
     )
     backend_cls = MagicMock(name="DmaCopyBackend")
+    backend_cls.return_value.init.side_effect = cuda.backend_init
     monkeypatch.setattr(worker_module, "DmaCopyBackend", backend_cls)
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(current_platform, "set_device", lambda d: None)
 
     worker = SimpleCPUOffloadWorker(
         _vllm_config(extra, rank=rank),
         _make_kv_cache_config(NUM_GPU_BLOCKS),
         _BYTES_PER_BLOCK * NUM_CPU_BLOCKS,
     )
+    # v0.19 .. v0.27 build the backend in __init__, before the patch above can
+    # reach the class: give the worker the mock either way.
+    worker._backend = backend_cls.return_value
     # One layer, blocks outermost; a CPU tensor stands in for the GPU cache.
     kv_caches = {
         "layer_0": torch.ones(
             NUM_GPU_BLOCKS, _BYTES_PER_BLOCK // DTYPE.itemsize, dtype=DTYPE
         )
     }
-    return worker, kv_caches, backend_cls.return_value
+    return worker, kv_caches
+
+
+class _StubGpuWorker(gpu_worker_module.Worker):
+    """vLLM's GPU worker with just enough state for compile_or_warm_up_model():
+    no dummy-run sizes, CUDA graphs captured (enforce_eager off) by ``runner``."""
+
+    def __init__(self, vllm_config: VllmConfig, runner: Any) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = SimpleNamespace(enforce_eager=False, seed=0)
+        self.cache_config = SimpleNamespace(kv_cache_memory_bytes=1)
+        self.compilation_config = vllm_config.compilation_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.model_runner = runner
+        self.use_v2_model_runner = False
+
+    def __getattr__(self, name: str) -> Any:
+        # Release-specific helpers (capture contexts, JIT monitors) do nothing
+        # here; memory figures stay absent so no report is computed.
+        if name.startswith("_") and not name.startswith("__"):
+            return MagicMock(name=name)
+        raise AttributeError(name)
+
+
+def _warm_up_and_capture(monkeypatch: pytest.MonkeyPatch, worker, cuda: _FakeCuda):
+    """Run the GPU worker's compile_or_warm_up_model() with the SimpleCPUOffload
+    worker as its KV connector. Its capture_model() ends the fake capture window
+    after giving a pin thread that is already running time to call into CUDA
+    (up to 1 s)."""
+    connector = object.__new__(SimpleCPUOffloadConnector)
+    connector.worker_handler = worker
+    monkeypatch.setattr(gpu_worker_module, "has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(gpu_worker_module, "get_kv_transfer_group", lambda: connector)
+    for name in (
+        "kernel_warmup",
+        "warmup_kernels",
+        "set_random_seed",
+        "freeze_gc_heap",
+        "maybe_attach_gc_debug_callback",
+        "enable_gpu_sync_check",
+        "trigger_inductor_lazy_init",
+        "maybe_save_startup_plan",
+    ):
+        if hasattr(gpu_worker_module, name):
+            monkeypatch.setattr(gpu_worker_module, name, lambda *a, **k: None)
+    monkeypatch.setattr(
+        gpu_worker_module, "get_pp_group", lambda: SimpleNamespace(is_last_rank=False)
+    )
+    try:  # v0.20 .. v0.32 activate it inside compile_or_warm_up_model()
+        from vllm.triton_utils import jit_monitor
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(jit_monitor, "activate", lambda *a, **k: None)
+
+    def capture_model() -> int:
+        cuda.pinned.wait(timeout=1.0)
+        cuda.capture_open = False  # capture ended; the last step of the window
+        return 0
+
+    runner = MagicMock(name="GPUModelRunner")
+    runner.capture_model.side_effect = capture_model
+    runner.is_pooling_model = False
+    stub = _StubGpuWorker(worker.vllm_config, runner)
+    gpu_worker_module.Worker.compile_or_warm_up_model(stub)
+    runner.capture_model.assert_called_once()
+
+
+def _register(monkeypatch, worker, kv_caches, cuda: _FakeCuda) -> None:
+    """initialize_from_config's register_kv_caches(), then compile_or_warm_up_model():
+    the whole span is capture-risky, so it is one capture window, open from the
+    start of register_kv_caches() until capture_model() returns."""
+    cuda.capture_open = True
+    try:
+        worker.register_kv_caches(kv_caches)
+        _warm_up_and_capture(monkeypatch, worker, cuda)
+    finally:
+        cuda.capture_open = False
 
 
 def _make_connector(
@@ -221,32 +373,23 @@ def _assert_cpu_hit(connector: SimpleCPUOffloadConnector, hit: Request) -> None:
 
 
 def test_async_register_returns_while_pinning(monkeypatch):
-    """With the option, register_kv_caches() returns before the pin ends.
+    """With the option, startup (register_kv_caches, then warm-up and capture)
+    finishes before the pin ends; the pin runs on a daemon thread.
 
-    The mocked pin blocks until the test releases it (or PIN_SECONDS pass): code
-    that pins on the calling thread cannot return while it is blocked.
+    The fake cudaHostRegister blocks until the test releases it (or PIN_SECONDS
+    pass): code that pins on the calling thread cannot return while it blocks.
     """
     release = threading.Event()
-    pin_threads: list[threading.Thread] = []
-    pins_done: list[threading.Thread] = []
-
-    def blocking_pin(tensor: torch.Tensor) -> None:
-        pin_threads.append(threading.current_thread())
-        release.wait(timeout=PIN_SECONDS)
-        pins_done.append(threading.current_thread())
-
-    worker, kv_caches, backend = _make_worker(monkeypatch, ASYNC, blocking_pin)
+    cuda = _FakeCuda(block=release)
+    worker, kv_caches = _make_worker(monkeypatch, ASYNC, cuda)
     start = time.perf_counter()
     try:
-        worker.register_kv_caches(kv_caches)
+        _register(monkeypatch, worker, kv_caches, cuda)
         elapsed = time.perf_counter() - start
-        assert not pins_done and elapsed < PIN_SECONDS, (
-            f"register_kv_caches() waited {elapsed:.2f} s for the pin"
-        )
+        assert elapsed < PIN_SECONDS, f"startup waited {elapsed:.2f} s for the pin"
         registration = worker._cache_registration
         assert registration is not None
         assert not registration.ready.is_set()
-        backend.init.assert_not_called()
         # Not ready: nothing to report.
         assert worker.build_connector_worker_meta() is None
         # The CPU tensors exist right away, with the final shape.
@@ -259,31 +402,51 @@ def test_async_register_returns_while_pinning(monkeypatch):
     assert registration.join(timeout=10)
     assert registration.ready.is_set()
     assert registration._thread is not None and registration._thread.daemon
-    assert pin_threads and threading.current_thread() not in pin_threads
-    backend.init.assert_called_once()
+    assert cuda.threads and threading.current_thread() not in cuda.threads
+    assert cuda.threads.count(registration._thread) == len(cuda.threads)
+    assert cuda.pinned_bytes == cpu_cache.nbytes
     # Stock allocates with torch.zeros; the background thread zeroes too.
     assert not cpu_cache.any()
 
 
+def test_no_cuda_work_during_warm_up_and_capture(monkeypatch):
+    """vllm#46933: no cudaHostRegister and no copy-backend init of F4's between
+    register_kv_caches() and the end of compile_or_warm_up_model() (warm-up and
+    CUDA-graph capture); the pin starts when that returns and then completes."""
+    cuda = _FakeCuda()
+    worker, kv_caches = _make_worker(monkeypatch, ASYNC, cuda)
+    _register(monkeypatch, worker, kv_caches, cuda)
+    assert cuda.in_capture == [], (
+        f"CUDA work inside the capture window: {cuda.in_capture}"
+    )
+
+    registration = worker._cache_registration
+    assert registration is not None and registration.join(timeout=10)
+    assert registration.ready.is_set()
+    assert cuda.pinned_bytes == sum(t.nbytes for t in worker.cpu_kv_caches.values())
+    # The backend is initialised last, once the whole tier is pinned.
+    assert cuda.threads and "DmaCopyBackend.init" not in cuda.in_capture
+    worker._backend.init.assert_called_once()
+
+
 @pytest.mark.parametrize("extra", [None, {"async_register_cache": False}])
 def test_sync_register_pins_on_calling_thread(monkeypatch, extra):
-    """Without the option, register_kv_caches() pins before it returns (stock)."""
-    pin_threads: list[threading.Thread] = []
-
-    def pin(tensor: torch.Tensor) -> None:
-        pin_threads.append(threading.current_thread())
-
-    worker, kv_caches, backend = _make_worker(monkeypatch, extra, pin)
+    """Without the option, register_kv_caches() pins before it returns (stock):
+    one pin_tensor per tensor, on the calling thread."""
+    cuda = _FakeCuda()
+    worker, kv_caches = _make_worker(monkeypatch, extra, cuda)
     worker.register_kv_caches(kv_caches)
     # Done by the time it returns, on the calling thread.
-    assert pin_threads == [threading.current_thread()]
-    backend.init.assert_called_once()
+    assert cuda.threads == [threading.current_thread()] * 2
+    assert len(cuda.whole_tensor_pins) == 1 and not cuda.registered
+    worker._backend.init.assert_called_once()
     assert worker.build_connector_worker_meta() is None
 
 
 def test_async_register_reports_rank_once(monkeypatch):
-    worker, kv_caches, _ = _make_worker(monkeypatch, ASYNC, lambda t: None, rank=3)
-    worker.register_kv_caches(kv_caches)
+    cuda = _FakeCuda()
+    worker, kv_caches = _make_worker(monkeypatch, ASYNC, cuda, rank=3)
+    _register(monkeypatch, worker, kv_caches, cuda)
     registration = worker._cache_registration
     assert registration is not None and registration.join(timeout=10)
 
@@ -291,7 +454,7 @@ def test_async_register_reports_rank_once(monkeypatch):
     worker._completed_store_events = {7: 1}
     meta = worker.build_connector_worker_meta()
     assert meta is not None
-    assert meta.ready_ranks == {3}
+    assert meta.ready_ranks == {3} and not meta.failed_ranks
     assert meta.completed_store_events == {7: 1}
     # Once only.
     assert worker.build_connector_worker_meta() is None
@@ -300,23 +463,94 @@ def test_async_register_reports_rank_once(monkeypatch):
     assert meta is not None and not meta.ready_ranks
 
 
-def test_async_register_failure_keeps_offload_off(monkeypatch):
-    """A failed pin is logged with its traceback; the worker never reports."""
-
-    def failing_pin(tensor: torch.Tensor) -> None:
-        raise RuntimeError("cudaHostRegister failed: out of memory")
-
-    worker, kv_caches, backend = _make_worker(monkeypatch, ASYNC, failing_pin)
+def test_async_register_failure_unregisters_and_reports(monkeypatch):
+    """A pin failing part-way unregisters every chunk this worker registered,
+    logs once, initialises no backend and reports the rank as failed, once."""
+    cuda = _FakeCuda(fail_at=2)
+    worker, kv_caches = _make_worker(monkeypatch, ASYNC, cuda, rank=1)
+    # Two block rows per chunk: the 8-block tier pins in 4 calls; the third fails.
+    monkeypatch.setattr(
+        worker_module.AsyncCacheRegistration, "CHUNK_BYTES", 2 * _BYTES_PER_BLOCK
+    )
     logger = MagicMock()
     monkeypatch.setattr(worker_module, "logger", logger)
-    worker.register_kv_caches(kv_caches)
+    _register(monkeypatch, worker, kv_caches, cuda)
     registration = worker._cache_registration
     assert registration is not None and registration.join(timeout=10)
 
     logger.exception.assert_called_once()
+    assert len(cuda.registered) == 2
+    assert sorted(cuda.unregistered) == sorted(a for a, _ in cuda.registered)
     assert not registration.ready.is_set()
-    backend.init.assert_not_called()
+    worker._backend.init.assert_not_called()
+    meta = worker.build_connector_worker_meta()
+    assert meta is not None and meta.failed_ranks == {1} and not meta.ready_ranks
     assert worker.build_connector_worker_meta() is None
+
+
+def _row_aligned_ranges(cuda: _FakeCuda, tensor: torch.Tensor) -> None:
+    row = tensor.stride(0) * tensor.element_size()
+    base = tensor.data_ptr()
+    position = base
+    for address, nbytes in cuda.registered:
+        assert address == position, "the chunks must tile the tensor in order"
+        assert (address - base) % row == 0 and nbytes % row == 0
+        assert (
+            0
+            < nbytes
+            <= max(row, worker_module.AsyncCacheRegistration.CHUNK_BYTES)
+            < 512 << 30
+        )
+        position += nbytes
+    assert position == base + tensor.nbytes
+
+
+@pytest.mark.parametrize(
+    "blocks, row_bytes",
+    [
+        (2 << 20, 1 << 20),  # 2 TiB of 1 MiB blocks (the seed's multi-TB tier)
+        (640, 1 << 30),  # 640 GiB of 1 GiB blocks: above the 512 GiB limit
+        (3, 20 << 30),  # a block row above the chunk bound is pinned alone
+    ],
+)
+def test_tier_above_512_gib_pins_in_row_aligned_chunks(monkeypatch, blocks, row_bytes):
+    """vllm#51080: one cudaHostRegister of 512 GiB or more fails. Every call stays
+    below the chunk bound (one row at least), on block-row boundaries, and the
+    calls tile the tensor. Meta tensors: no memory is allocated."""
+    cuda = _FakeCuda()
+    worker, _ = _make_worker(monkeypatch, ASYNC, cuda)
+    tier = torch.empty((blocks, row_bytes), dtype=torch.int8, device="meta")
+    registration = worker._cache_registration
+    assert registration is not None
+    worker._pin_cpu_tensor(tier)
+    worker._init_copy_backend({}, {}, torch.device("cpu"), None, None)
+    worker.start_async_register_cache()
+    assert registration.join(timeout=60) and registration.ready.is_set()
+    assert len(cuda.registered) > 1
+    _row_aligned_ranges(cuda, tier)
+
+
+def test_pin_progress_lines_are_bounded(monkeypatch):
+    """Progress: GB done, rate and time left, at most one line per tenth and none
+    within 10 s of the previous; a fast pin logs none before its final line."""
+    logger = MagicMock()
+    monkeypatch.setattr(worker_module, "logger", logger)
+    now = [0.0]
+    total = 1000 << 30
+    progress = worker_module.PinProgress(total, clock=lambda: now[0])
+    for _ in range(1000):  # 1000 steps of 1 GiB, 1 s each
+        now[0] += 1.0
+        progress.advance(1 << 30)
+    lines = logger.info.call_args_list
+    assert 9 <= len(lines) <= 10
+    assert all("GB" in call.args[0] and "s left" in call.args[0] for call in lines)
+
+    logger.reset_mock()
+    fast = worker_module.PinProgress(total, clock=lambda: now[0])
+    for _ in range(1000):  # the whole tier within 5 s
+        now[0] += 0.005
+        fast.advance(1 << 30)
+    logger.info.assert_not_called()
 
 
 def test_worker_meta_aggregate_merges_ready_ranks():
@@ -326,10 +560,12 @@ def test_worker_meta_aggregate_merges_ready_ranks():
     b = SimpleCPUOffloadWorkerMetadata(
         completed_store_events={1: 1, 2: 1}, ready_ranks=frozenset({1, 0})
     )
-    c = SimpleCPUOffloadWorkerMetadata(completed_store_events={2: 1})
+    c = SimpleCPUOffloadWorkerMetadata(
+        completed_store_events={2: 1}, failed_ranks=frozenset({2})
+    )
     merged = a.aggregate(b).aggregate(c)
     assert isinstance(merged, SimpleCPUOffloadWorkerMetadata)
-    assert merged.ready_ranks == {0, 1}
+    assert merged.ready_ranks == {0, 1} and merged.failed_ranks == {2}
     assert merged.completed_store_events == {1: 2, 2: 2}
 
 
@@ -422,6 +658,48 @@ def test_gate_stays_closed_if_a_rank_fails():
     )
 
 
+def test_failed_rank_keeps_every_rank_off(monkeypatch):
+    """vllm#51762: a rank that reports failure keeps CPU offload off everywhere,
+    whatever the others report; the scheduler logs it once."""
+    connector, fix = _make_connector(ASYNC, world_size=4)
+    hit = _put_in_cpu_cache(fix)
+    logger = MagicMock()  # after setup: upstream logs its CPU block count there
+    monkeypatch.setattr(manager_module, "logger", logger)
+    failed = SimpleCPUOffloadWorkerMetadata(
+        completed_store_events={}, failed_ranks=frozenset({2})
+    )
+    for _ in range(3):
+        connector.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=failed)
+        )
+        _report_ready(connector, 0, 1, 3)
+    assert not fix.scheduler.is_ready()
+    _assert_gpu_only(connector, hit)
+    logger.error.assert_called_once()
+    logger.info.assert_not_called()
+
+
+def test_gate_open_is_logged_with_its_time(monkeypatch):
+    connector, fix = _make_connector(ASYNC, world_size=2)
+    logger = MagicMock()  # after setup: upstream logs its CPU block count there
+    monkeypatch.setattr(manager_module, "logger", logger)
+    _report_ready(connector, 0, 1)
+    assert fix.scheduler.is_ready()
+    (call,) = logger.info.call_args_list
+    assert "s after the scheduler started" in call.args[0]
+
+
+def test_upstream_option_name_async_init():
+    """PR 54792's name for the option means the same: the scheduler waits."""
+    _, fix = _make_connector({"async_init": True})
+    assert not fix.scheduler.is_ready()
+
+
+def test_option_names_must_agree():
+    with pytest.raises(ValueError, match="disagree"):
+        _make_connector({"async_register_cache": True, "async_init": False})
+
+
 def test_request_admitted_while_pinning_stays_gpu_only():
     """A request scheduled before the gate opens is never offloaded or leaked."""
     connector, fix = _make_connector(ASYNC)
@@ -470,24 +748,25 @@ def test_invalid_option_value_rejected(monkeypatch, value):
     with pytest.raises(ValueError, match=r"async_register_cache.*" + repr(value)):
         _make_connector(extra)
     with pytest.raises(ValueError, match=r"async_register_cache.*" + repr(value)):
-        _make_worker(monkeypatch, extra, lambda t: None)
+        _make_worker(monkeypatch, extra, _FakeCuda())
 
 
 def test_option_with_disk_backend(tmp_path):
-    """The disk backend (v0.28+) pins no CPU tier: the option is rejected there.
-
-    Releases without a disk backend ignore kv_offload_backend; the option then
-    applies as usual.
-    """
+    """The disk backend (v0.28+) pins no CPU tier: the option is rejected with it
+    (on every release: older ones have no disk backend to ask for)."""
     extra = {
         **ASYNC,
         "kv_offload_backend": "disk",
         "disk_path": str(tmp_path / "kv"),
         "disk_capacity_bytes": _BYTES_PER_BLOCK * NUM_CPU_BLOCKS,
     }
-    if hasattr(connector_module, "VALID_KV_OFFLOAD_BACKENDS"):
-        with pytest.raises(ValueError, match="async_register_cache"):
-            _make_connector(extra)
-    else:
-        connector, fix = _make_connector(extra)
-        _assert_gpu_only(connector, _put_in_cpu_cache(fix))
+    with pytest.raises(ValueError, match="async_register_cache"):
+        _make_connector(extra)
+
+
+def test_option_with_elastic_ep_rejected():
+    """Elastic EP captures CUDA graphs again while serving: a pin could overlap."""
+    config = _vllm_config(ASYNC)
+    config.parallel_config.enable_elastic_ep = True
+    with pytest.raises(ValueError, match="elastic EP"):
+        get_async_register_cache(config)

@@ -2,6 +2,8 @@
 """F4 overlay of vllm/v1/simple_kv_offload/manager.py: the scheduler-side gate
 that keeps CPU offload off until every worker has registered its CPU KV cache."""
 
+import time
+
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.simple_kv_offload.metadata import (
     SimpleCPUOffloadWorkerMetadata,
@@ -22,11 +24,14 @@ class SimpleCPUOffloadScheduler:
         opens when all ``_expected_worker_count`` workers have reported; until
         then SimpleCPUOffloadConnector matches no CPU hit and builds no load or
         store, so no transfer can reach a worker that cannot run it yet. A
-        worker whose registration fails never reports, and the gate stays
-        closed. Without the option the gate is open from the start.
+        worker whose registration fails reports failure (it unregistered what it
+        pinned): the gate never opens, on any rank, and that is logged once.
+        Without the option the gate is open from the start.
         """
         self._ready_worker_ranks: set[int] = set()
+        self._failed_worker_ranks: set[int] = set()
         self._workers_ready = not get_async_register_cache(self.vllm_config)
+        self._gate_created = time.monotonic()
 
     def is_ready(self) -> bool:
         """Whether every worker can run CPU offload transfers."""
@@ -37,13 +42,24 @@ class SimpleCPUOffloadScheduler:
         meta = connector_output.kv_connector_worker_meta
         if self._workers_ready or not isinstance(meta, SimpleCPUOffloadWorkerMetadata):
             return
+        if meta.failed_ranks and not self._failed_worker_ranks:
+            logger.error(
+                "SimpleCPUOffloadScheduler: worker rank(s) %s failed to register "
+                "their CPU KV cache; CPU offload stays off on every rank.",
+                sorted(meta.failed_ranks),
+            )
+        self._failed_worker_ranks.update(meta.failed_ranks)
         # A set: a rank reported twice counts once.
         self._ready_worker_ranks.update(meta.ready_ranks)
-        if len(self._ready_worker_ranks) < self._expected_worker_count:
+        if (
+            self._failed_worker_ranks
+            or len(self._ready_worker_ranks) < self._expected_worker_count
+        ):
             return
         self._workers_ready = True
         logger.info(
             "SimpleCPUOffloadScheduler: all %d workers registered their CPU KV "
-            "cache; CPU offload is enabled.",
+            "cache; CPU offload is enabled, %.1f s after the scheduler started.",
             self._expected_worker_count,
+            time.monotonic() - self._gate_created,
         )

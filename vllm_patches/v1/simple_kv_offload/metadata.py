@@ -13,9 +13,11 @@ from vllm_patches._overlay import add, amend
 @amend("F4", ">=0.19.0,<0.34.0")
 class SimpleCPUOffloadWorkerMetadata:
     # async_register_cache only: ranks of the workers whose CPU KV cache became
-    # usable (pinned, copy backend initialised) since their last report. Each
-    # worker reports its rank once; aggregate() takes the union across workers.
+    # usable (pinned, copy backend initialised) since their last report, and of
+    # those whose background pin failed. Each worker reports its rank once, in
+    # one of the two; aggregate() takes the unions across workers.
     ready_ranks: frozenset[int] = frozenset()
+    failed_ranks: frozenset[int] = frozenset()
 
     def aggregate(
         self, other: "KVConnectorWorkerMetadata"
@@ -27,60 +29,55 @@ class SimpleCPUOffloadWorkerMetadata:
         return SimpleCPUOffloadWorkerMetadata(
             completed_store_events=merged,
             ready_ranks=self.ready_ranks | other.ready_ranks,
+            failed_ranks=self.failed_ranks | other.failed_ranks,
         )
 
 
-@add("F4", ">=0.19.0,<0.28.0")
+@add("F4", ">=0.19.0,<0.34.0")
 def get_async_register_cache(vllm_config: VllmConfig | None) -> bool:
-    """Return ``kv_connector_extra_config["async_register_cache"]``.
+    """Return ``kv_connector_extra_config["async_register_cache"]`` (or its alias
+    ``"async_init"``, upstream PR 54792's name; both given must agree).
 
-    When true, each worker pins its CPU KV cache in a background thread and
-    the scheduler builds no CPU load or store until every worker has reported
-    that its copy backend exists. The scheduler and the workers read the option
-    from the same config, so they always agree on whether to wait.
+    When true, each worker pins its CPU KV cache in a background thread once it
+    captured its CUDA graphs, and the scheduler builds no CPU load or store until
+    every worker has reported that its copy backend exists. The scheduler and the
+    workers read the option from the same config, so they always agree on whether
+    to wait.
 
     Only a real boolean is accepted (JSON ``true``/``false``). A string such as
-    ``"false"`` is truthy in Python and would silently turn the option on, so
-    it is rejected rather than interpreted.
+    ``"false"`` is truthy in Python and would silently turn the option on, so it is
+    rejected rather than interpreted. Rejected too, instead of ignored: the disk
+    backend (v0.28+), which pins no CPU KV cache, and elastic EP, which captures
+    CUDA graphs again while the engine serves (the pin could overlap it).
     """
     if vllm_config is None or vllm_config.kv_transfer_config is None:
         return False
     extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    value = extra_config.get("async_register_cache", False)
-    if not isinstance(value, bool):
+    # "async_init" is the name in upstream's open PR 54792 (same meaning); accepted
+    # so a config written for that PR works here and once upstream ships it.
+    names = ("async_register_cache", "async_init")
+    given = {k: extra_config[k] for k in names if k in extra_config}
+    for key, value in given.items():
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}] must be a boolean "
+                f"(true or false), got {value!r} of type {type(value).__name__}"
+            )
+    if len(set(given.values())) > 1:
         raise ValueError(
-            "kv_connector_extra_config['async_register_cache'] must be a boolean "
-            f"(true or false), got {value!r} of type {type(value).__name__}"
+            "kv_connector_extra_config['async_register_cache'] and ['async_init'] "
+            f"disagree ({given}); give one of them"
         )
-    return value
-
-
-@add("F4", ">=0.28.0,<0.34.0")
-def get_async_register_cache(vllm_config: VllmConfig | None) -> bool:
-    """Return ``kv_connector_extra_config["async_register_cache"]``.
-
-    When true, each worker pins its CPU KV cache in a background thread and
-    the scheduler builds no CPU load or store until every worker has reported
-    that its copy backend exists. The scheduler and the workers read the option
-    from the same config, so they always agree on whether to wait.
-
-    Only a real boolean is accepted (JSON ``true``/``false``). A string such as
-    ``"false"`` is truthy in Python and would silently turn the option on, so
-    it is rejected rather than interpreted. The disk backend pins no CPU KV
-    cache, so the option is rejected there too instead of being ignored.
-    """
-    if vllm_config is None or vllm_config.kv_transfer_config is None:
-        return False
-    extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    value = extra_config.get("async_register_cache", False)
-    if not isinstance(value, bool):
-        raise ValueError(
-            "kv_connector_extra_config['async_register_cache'] must be a boolean "
-            f"(true or false), got {value!r} of type {type(value).__name__}"
-        )
+    value = any(given.values())
     if value and extra_config.get("kv_offload_backend", "cpu") == "disk":
         raise ValueError(
             "kv_connector_extra_config['async_register_cache'] applies to "
             'kv_offload_backend="cpu" only; the disk backend pins no CPU KV cache.'
+        )
+    if value and getattr(vllm_config.parallel_config, "enable_elastic_ep", False):
+        raise ValueError(
+            "kv_connector_extra_config['async_register_cache'] cannot be used with "
+            "elastic EP, which captures CUDA graphs again while the CPU KV cache "
+            "may still be pinning (vllm#46933)."
         )
     return value

@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """F4 overlay of vllm/v1/simple_kv_offload/worker.py: pin the CPU KV cache in a
-background thread (async_register_cache) so register_kv_caches() returns at once.
+background thread (async_register_cache), after the worker captured its CUDA graphs,
+in bounded chunks, so register_kv_caches() returns at once.
 
-Two variants of register_kv_caches' layout:
-- v0.19 .. v0.27: register_kv_caches() allocates, pins, creates the streams and
-  initialises the copy backend inline (v0.24+ reads the pin check from PIN_MEMORY,
-  the same value; the variant keeps is_pin_memory_available()).
-- v0.28 .. v0.33: register_kv_caches() sizes the cache (v0.33: a cross-rank
-  all_reduce), creates the streams and calls _init_cpu_mode(), which allocates,
-  pins and initialises the copy backend; only _init_cpu_mode() changes.
-The members every release shares sit in one partial class before the variants.
+No upstream method is copied: three calls inside the method that allocates, pins and
+initialises the copy backend are redirected to new methods (``torch.zeros``,
+``pin_tensor``, ``self._backend.init``); without the option those run the call as
+upstream wrote it. That method is register_kv_caches() on v0.19 .. v0.27 and
+_init_cpu_mode() from v0.28, so the two layouts differ only in three one-line
+redirects. The GPU worker starts the deferred work when compile_or_warm_up_model()
+returns (vllm_patches/v1/worker/gpu_worker.py).
 """
 
 import threading
@@ -20,16 +20,91 @@ from functools import partial
 import torch
 
 from vllm.platforms import current_platform
-from vllm.utils.platform_utils import is_pin_memory_available
-from vllm.utils.torch_utils import PIN_MEMORY
-from vllm.v1.simple_kv_offload.copy_backend import DmaCopyBackend
 from vllm.v1.simple_kv_offload.cuda_mem_ops import pin_tensor
 from vllm.v1.simple_kv_offload.metadata import (
     SimpleCPUOffloadWorkerMetadata,
     get_async_register_cache,
 )
 
-from vllm_patches._overlay import add, amend, call_at_end_of
+from vllm_patches._overlay import (
+    add,
+    amend,
+    call_at_end_of,
+    filter_result_of,
+    redirect_call_in,
+)
+
+
+@add("F4", ">=0.19.0,<0.34.0")
+def host_register(address: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` of host memory at ``address`` (cudaHostRegister)."""
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if err.value != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+
+
+@add("F4", ">=0.19.0,<0.34.0")
+def host_unregister(address: int) -> None:
+    """Undo host_register() of the range starting at ``address``."""
+    err = torch.cuda.cudart().cudaHostUnregister(address)
+    if err.value != 0:
+        raise RuntimeError(f"cudaHostUnregister failed: {err}")
+
+
+@add("F4", ">=0.19.0,<0.34.0")
+def pin_chunks(tensor: torch.Tensor, max_bytes: int) -> list[tuple[int, int]]:
+    """The (address, nbytes) ranges to pin ``tensor`` in, each at most ``max_bytes``.
+
+    Dim 0 of a CPU KV tensor is blocks and the copy backend copies one block row
+    per DMA, so every range starts and ends on a row: no copy crosses two
+    registrations. A row larger than ``max_bytes`` is pinned alone.
+    """
+    assert tensor.is_contiguous()
+    row_bytes = tensor.stride(0) * tensor.element_size()
+    rows_per_chunk = max(1, max_bytes // row_bytes)
+    base = tensor.data_ptr()
+    return [
+        (base + row * row_bytes, min(rows_per_chunk, tensor.shape[0] - row) * row_bytes)
+        for row in range(0, tensor.shape[0], rows_per_chunk)
+    ]
+
+
+@add("F4", ">=0.19.0,<0.34.0")
+class PinProgress:
+    """Logs how far a background pin got: GB done, rate, estimated time left.
+
+    Bounded: one line each time another tenth of the tier is done, but none within
+    INTERVAL_S of the previous one, plus the final line from the caller.
+    """
+
+    INTERVAL_S = 10.0
+
+    def __init__(
+        self, total_bytes: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.total_bytes = max(total_bytes, 1)
+        self.done_bytes = 0
+        self._clock = clock
+        self.started = clock()
+        self._last_line = self.started
+        self._last_tenth = 0
+
+    def advance(self, nbytes: int) -> None:
+        self.done_bytes += nbytes
+        tenth = 10 * self.done_bytes // self.total_bytes
+        now = self._clock()
+        if tenth <= self._last_tenth or now - self._last_line < self.INTERVAL_S:
+            return
+        self._last_tenth, self._last_line = tenth, now
+        rate = self.done_bytes / max(now - self.started, 1e-9)
+        logger.info(
+            "SimpleCPUOffloadWorker: pinned %.1f of %.1f GB of the CPU KV cache "
+            "(%.2f GB/s, about %.0f s left)",
+            self.done_bytes / 1e9,
+            self.total_bytes / 1e9,
+            rate / 1e9,
+            (self.total_bytes - self.done_bytes) / rate,
+        )
 
 
 @add("F4", ">=0.19.0,<0.34.0")
@@ -40,131 +115,127 @@ class AsyncCacheRegistration:
     register_kv_caches() and with it engine startup from finishing; here it runs
     in the background while the engine serves from the GPU KV cache only.
 
-    Invariant: ``ready`` is set only after every CPU tensor is pinned and the copy
-    backend is initialised. The worker reports its rank once after that, and the
-    scheduler builds no CPU load or store until every worker has reported, so no
-    transfer can reach a worker whose backend does not exist yet. If the
-    background work fails, ``ready`` is never set and CPU offload stays off.
+    Invariants:
+    - No CUDA call of this class runs before start(), which the GPU worker calls
+      when compile_or_warm_up_model() returned: cudaHostRegister from another
+      thread during a global-mode CUDA-graph capture fails (900,
+      cudaErrorStreamCaptureUnsupported) or invalidates the capture (vllm#46933,
+      which reverted upstream's background pin of PR 45850).
+    - ``ready`` is set only after every CPU tensor is pinned and the copy backend
+      is initialised; the scheduler opens CPU offload only after every rank
+      reported ready.
+    - A failure part-way unregisters every range this worker registered, is
+      logged once, and is reported (``failed``): CPU offload stays off everywhere.
     """
+
+    # The most one cudaHostRegister call pins. One call of 512 GiB or more fails
+    # with cudaErrorMemoryAllocation however much memory is free (vllm#51080), and
+    # the call holds driver-global locks for its whole length (TensorRT-LLM#17429),
+    # stalling other CUDA calls of the process. 16 GiB is a quarter of the 64 GiB
+    # upstream's OffloadingConnector uses (vllm#51081): at the few GB/s
+    # page-locking runs at, a call ends within seconds, and 4 TB still takes only
+    # 256 calls.
+    CHUNK_BYTES = 16 << 30
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.ready = threading.Event()
+        self.failed = False
         self._reported = False
+        self._tensors: list[torch.Tensor] = []
+        self._init_backend: Callable[[], None] | None = None
+        self._device: torch.device | None = None
         self._thread: threading.Thread | None = None
 
-    @staticmethod
-    def allocate(
-        gpu_caches: dict[str, torch.Tensor], num_cpu_blocks: int
-    ) -> dict[str, torch.Tensor]:
-        """Allocate unpinned, uninitialised CPU tensors mirroring ``gpu_caches``.
+    def defer_pin(self, tensor: torch.Tensor) -> None:
+        """Zero and pin ``tensor`` in the background instead of now."""
+        self._tensors.append(tensor)
 
-        torch.empty only reserves virtual memory, so this takes microseconds at
-        any size; the background thread zeroes (touches) and pins the pages.
-        """
-        return {
-            name: torch.empty(
-                (num_cpu_blocks,) + gpu_tensor.shape[1:],
-                dtype=gpu_tensor.dtype,
-                device="cpu",
-            )
-            for name, gpu_tensor in gpu_caches.items()
-        }
-
-    def start(
-        self,
-        device: torch.device,
-        cpu_caches: dict[str, torch.Tensor],
-        pin_memory: bool,
-        init_backend: Callable[[], None],
+    def defer_backend_init(
+        self, init_backend: Callable[[], None], device: torch.device
     ) -> None:
-        """Zero and pin ``cpu_caches``, then run ``init_backend``, off-thread."""
-        # Daemon: a shutdown during the pin must not wait for it. Nothing joins
-        # this thread outside of tests.
+        """Initialise the copy backend (``device``'s) in the background, last."""
+        self._init_backend, self._device = init_backend, device
+
+    def start(self) -> None:
+        """Start the background work, once; later calls (a recapture) do nothing."""
+        if self._thread is not None or self._init_backend is None:
+            return
         self._thread = threading.Thread(
-            target=self._run,
-            args=(device, cpu_caches, pin_memory, init_backend),
-            name="SimpleCPUOffloadRegister",
-            daemon=True,
+            target=self._run, name="simple-cpu-offload-pin", daemon=True
         )
         self._thread.start()
 
-    def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the thread; True if it finished."""
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the background work; True once it has finished."""
         if self._thread is None:
-            return True
+            return False
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def take_report(self) -> frozenset[int]:
-        """This worker's rank on the first call after ``ready``, else nothing."""
-        if self._reported or not self.ready.is_set():
-            return frozenset()
+    def take_report(self) -> tuple[frozenset[int], frozenset[int]]:
+        """(ready ranks, failed ranks) to report: this rank once, when known."""
+        if self._reported or not (self.ready.is_set() or self.failed):
+            return frozenset(), frozenset()
         self._reported = True
-        return frozenset((self.rank,))
+        mine = frozenset((self.rank,))
+        return (frozenset(), mine) if self.failed else (mine, frozenset())
 
-    def _run(
-        self,
-        device: torch.device,
-        cpu_caches: dict[str, torch.Tensor],
-        pin_memory: bool,
-        init_backend: Callable[[], None],
-    ) -> None:
-        start = time.perf_counter()
+    def _run(self) -> None:
+        assert self._init_backend is not None and self._device is not None
+        registered: list[int] = []
+        progress = PinProgress(sum(t.nbytes for t in self._tensors))
         try:
             # Without cudaHostRegisterPortable, memory is pinned for the current
             # device's context only, and a new thread starts on device 0.
-            current_platform.set_device(device)
-            for tensor in cpu_caches.values():
-                # Stock code allocates with torch.zeros; zeroing here keeps the
-                # page faults off the calling thread too. Both zero_() and
-                # cudaHostRegister release the GIL.
-                tensor.zero_()
-                if pin_memory:
-                    pin_tensor(tensor)
-            init_backend()
+            current_platform.set_device(self._device)
+            for tensor in self._tensors:
+                for address, nbytes in pin_chunks(tensor, self.CHUNK_BYTES):
+                    # Stock allocates with torch.zeros; zeroing chunk by chunk keeps
+                    # page faults off the calling thread. Both release the GIL.
+                    offset = address - tensor.data_ptr()
+                    tensor.view(-1).view(torch.uint8)[offset : offset + nbytes].zero_()
+                    host_register(address, nbytes)
+                    registered.append(address)
+                    progress.advance(nbytes)
+            self._init_backend()
         except Exception:
-            # The tensors stay referenced by the worker: freeing memory that is
-            # still registered would leave stale CUDA host mappings behind.
+            self._undo(registered)
+            self.failed = True
             logger.exception(
-                "SimpleCPUOffloadWorker: registering the CPU KV cache in the "
-                "background failed; CPU offload stays disabled and requests are "
-                "served from the GPU KV cache only."
+                "SimpleCPUOffloadWorker (rank %d): registering the CPU KV cache in "
+                "the background failed after %.1f of %.1f GB; unregistered it. CPU "
+                "offload stays off on every rank; requests are served from the GPU "
+                "KV cache only.",
+                self.rank,
+                progress.done_bytes / 1e9,
+                progress.total_bytes / 1e9,
             )
             return
         self.ready.set()
         logger.info(
-            "SimpleCPUOffloadWorker: CPU KV cache (%.2f GB) registered in the "
-            "background in %.1f s; CPU offload starts once all workers are ready.",
-            sum(t.nbytes for t in cpu_caches.values()) / (1024**3),
-            time.perf_counter() - start,
+            "SimpleCPUOffloadWorker (rank %d): CPU KV cache (%.1f GB) pinned in %d "
+            "chunks in %.1f s; CPU offload starts once all workers are ready.",
+            self.rank,
+            progress.total_bytes / 1e9,
+            len(registered),
+            time.monotonic() - progress.started,
         )
+
+    @staticmethod
+    def _undo(registered: list[int]) -> None:
+        """Unregister what this worker registered; keep going past errors."""
+        for address in registered:
+            try:
+                host_unregister(address)
+            except RuntimeError as exc:
+                logger.warning("SimpleCPUOffloadWorker: %s", exc)
 
 
 @amend("F4", ">=0.19.0,<0.34.0")
 class SimpleCPUOffloadWorker:
-    """Members shared by every release; register_kv_caches / _init_cpu_mode
-    differ per release and live in the partial classes below."""
-
-    def build_connector_worker_meta(self) -> SimpleCPUOffloadWorkerMetadata | None:
-        """Return completed store events since the last call.
-
-        With ``async_register_cache``, the first call after the CPU KV cache is
-        registered also reports this worker's rank to the scheduler.
-        """
-        ready_ranks = (
-            self._cache_registration.take_report()
-            if self._cache_registration is not None
-            else frozenset()
-        )
-        if not self._completed_store_events and not ready_ranks:
-            return None
-        meta = SimpleCPUOffloadWorkerMetadata(
-            completed_store_events=self._completed_store_events,
-            ready_ranks=ready_ranks,
-        )
-        self._completed_store_events = {}
-        return meta
+    """Members shared by every release; the redirect markers, which name the
+    upstream method that allocates and pins, sit in the partial classes below."""
 
     @call_at_end_of("__init__")
     def _init_async_register(self) -> None:
@@ -175,236 +246,91 @@ class SimpleCPUOffloadWorker:
                 rank=self.vllm_config.parallel_config.rank
             )
 
+    def start_async_register_cache(self) -> None:
+        """Start pinning the CPU KV cache, if it was deferred; the GPU worker calls
+        this once it finished warm-up and CUDA-graph capture."""
+        if self._cache_registration is not None:
+            self._cache_registration.start()
 
-# v0.24 .. v0.27 spell the pin check `PIN_MEMORY` (= is_pin_memory_available()
-# at import); one variant serves them too, at the cost of that line in their patch.
+    def _allocate_cpu_tensor(self, *args, **kwargs) -> torch.Tensor:
+        """Upstream's ``torch.zeros`` of a CPU KV tensor; deferred, ``torch.empty``
+        (virtual memory only: microseconds at any size; zeroed when pinned)."""
+        if self._cache_registration is None:
+            return torch.zeros(*args, **kwargs)
+        return torch.empty(*args, **kwargs)
+
+    def _pin_cpu_tensor(self, tensor: torch.Tensor) -> None:
+        """Upstream's ``pin_tensor``; deferred, pinned in chunks after capture."""
+        if self._cache_registration is None:
+            pin_tensor(tensor)
+        else:
+            self._cache_registration.defer_pin(tensor)
+
+    def _init_copy_backend(
+        self,
+        gpu_caches: dict[str, torch.Tensor],
+        cpu_caches: dict[str, torch.Tensor],
+        device: torch.device,
+        load_stream: torch.cuda.Stream,
+        store_stream: torch.cuda.Stream,
+    ) -> None:
+        """Upstream's ``self._backend.init``; deferred, it runs after the pin (it
+        resolves cuMemcpyBatchAsync and starts a thread that sets the device)."""
+        init = partial(
+            self._backend.init,
+            gpu_caches,
+            cpu_caches,
+            device,
+            load_stream,
+            store_stream,
+        )
+        if self._cache_registration is None:
+            init()
+        else:
+            self._cache_registration.defer_backend_init(init, device)
+
+    @filter_result_of("build_connector_worker_meta")
+    def _add_registration_report(
+        self, meta: SimpleCPUOffloadWorkerMetadata | None
+    ) -> SimpleCPUOffloadWorkerMetadata | None:
+        """With ``async_register_cache``, the first step after the background pin
+        ended also reports this rank as ready or failed."""
+        if self._cache_registration is None:
+            return meta
+        ready, failed = self._cache_registration.take_report()
+        if not ready and not failed:
+            return meta
+        if meta is None:
+            meta = SimpleCPUOffloadWorkerMetadata(completed_store_events={})
+        meta.ready_ranks, meta.failed_ranks = ready, failed
+        return meta
+
+
 @amend("F4", ">=0.19.0,<0.28.0")
 class SimpleCPUOffloadWorker:
-    def register_kv_caches(
-        self,
-        kv_caches: dict[str, torch.Tensor],
-    ) -> None:
-        """Register GPU KV caches and allocate pinned CPU tensors.
-        The worker will infer the underlying raw storage from the kv_caches.
+    @redirect_call_in("register_kv_caches", "torch.zeros")
+    def _cpu_zeros(self, *args, **kwargs) -> torch.Tensor:
+        return self._allocate_cpu_tensor(*args, **kwargs)
 
-        With ``async_register_cache``, the CPU tensors are only allocated here;
-        a background thread pins them and initialises the copy backend (see
-        AsyncCacheRegistration).
+    @redirect_call_in("register_kv_caches", "pin_tensor")
+    def _cpu_pin(self, tensor: torch.Tensor) -> None:
+        self._pin_cpu_tensor(tensor)
 
-        Args:
-            kv_caches: Per-layer GPU KV caches. Values are either a single
-                tensor (attention layers) or a list of tensors (Mamba layers
-                in hybrid models). All values are included for offloading
-                by resolving to their underlying raw storage.
-        """
-        if not kv_caches:
-            logger.warning("No KV caches to offload.")
-            return
-
-        # Resolve each entry to a representative tensor for storage
-        # deduplication. For attention layers the value is already a tensor;
-        # for Mamba layers it is a list of tensors that all share the same
-        # underlying raw storage, so we take the first one.
-        def _repr_tensor(v: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-            assert isinstance(v, torch.Tensor | list)
-            return v if isinstance(v, torch.Tensor) else v[0]
-
-        any_tensor = _repr_tensor(next(iter(kv_caches.values())))
-        self.device = any_tensor.device
-
-        assert self.kv_cache_config is not None
-        num_blocks = self.kv_cache_config.num_blocks
-
-        # Deduplicate: multiple layers may share the same backing storage.
-        seen_ptrs: dict[int, tuple[str, torch.Tensor]] = {}
-        for name, value in kv_caches.items():
-            tensor = _repr_tensor(value)
-            ptr = tensor.untyped_storage().data_ptr()
-            if ptr not in seen_ptrs:
-                seen_ptrs[ptr] = (name, tensor)
-
-        # Build [num_blocks, block_bytes] int8 views from each unique
-        # storage so that stride(0) gives block_bytes for the copy op.
-        #
-        # The physical layout varies across attention backends:
-        #   FlashAttn/ROCm:  (2, num_blocks, ...) -> K/V outermost, 2 segments
-        #   FlashInfer/MLA:  (num_blocks, ...)    -> blocks outermost, 1 segment
-        # We derive page_size_bytes = storage.nbytes() // num_blocks, then
-        # classify dims: any dim whose byte-stride exceeds page_size_bytes
-        # must be an outer segment dim (e.g. the K/V dim of size 2). A less
-        # hacky way is to update the interface with the layout.
-        unique_gpu_caches: dict[str, torch.Tensor] = {}
-        for name, tensor in seen_ptrs.values():
-            storage = tensor.untyped_storage()
-            raw = torch.empty(0, dtype=torch.int8, device=self.device).set_(
-                storage, 0, (storage.nbytes(),)
-            )
-            el = tensor.element_size()
-            page_size_bytes = storage.nbytes() // num_blocks
-            outer_dims = [
-                d for d in range(tensor.ndim) if tensor.stride(d) * el > page_size_bytes
-            ]
-            if not outer_dims:
-                unique_gpu_caches[name] = raw.view(num_blocks, -1)
-            else:
-                seg_stride = tensor.stride(outer_dims[0]) * el
-                for idx in range(tensor.shape[outer_dims[0]]):
-                    offset = idx * seg_stride
-                    chunk = raw[offset : offset + seg_stride]
-                    unique_gpu_caches[f"{name}.{idx}"] = chunk.view(num_blocks, -1)
-
-        # Compute per-tensor bytes_per_block. Tensors may have different
-        # page_size_bytes (e.g., UniformTypeKVCacheSpecs with varying head_size).
-        per_tensor_bpb = [
-            t.stride(0) * t.element_size() for t in unique_gpu_caches.values()
-        ]
-        total_bytes_per_block = sum(per_tensor_bpb)
-
-        self.num_cpu_blocks = max(1, self.cpu_capacity_bytes // total_bytes_per_block)
-
-        logger.info(
-            "SimpleCPUOffloadWorker: %d unique GPU KV tensors, "
-            "allocating %d CPU blocks (%.2f GB)",
-            len(unique_gpu_caches),
-            self.num_cpu_blocks,
-            (self.num_cpu_blocks * total_bytes_per_block) / (1024**3),
-        )
-
-        pin_memory = is_pin_memory_available()
-        if not pin_memory:
-            logger.warning(
-                "Pinned memory not available. CPU offload performance may be degraded."
-            )
-
-        self.gpu_kv_caches = unique_gpu_caches
-        if self._cache_registration is not None:
-            self._register_cpu_caches_async(pin_memory)
-            return
-
-        self.cpu_kv_caches = {}
-        for name, gpu_tensor in unique_gpu_caches.items():
-            cpu_shape = (self.num_cpu_blocks,) + gpu_tensor.shape[1:]
-            # Allocate non-pinned first, then pin via cudaHostRegister to
-            # bypass PyTorch's CUDACachingHostAllocator which rounds up to
-            # the next power of 2 (e.g. 100 GB -> 128 GB).
-            tensor = torch.zeros(cpu_shape, dtype=gpu_tensor.dtype, device="cpu")
-            if pin_memory:
-                pin_tensor(tensor)
-            self.cpu_kv_caches[name] = tensor
-
-        # Use lowest priority so KV cache I/O yields to compute streams.
-        low_pri, _ = torch.cuda.Stream.priority_range()
-        self.load_stream = torch.cuda.Stream(priority=low_pri)
-        self.store_stream = torch.cuda.Stream(priority=low_pri)
-
-        # Initialize copy backend with caches and streams.
-        self._backend.init(
-            self.gpu_kv_caches,
-            self.cpu_kv_caches,
-            self.device,
-            self.load_stream,
-            self.store_stream,
-        )
-
-    def _register_cpu_caches_async(self, pin_memory: bool) -> None:
-        """Allocate the CPU KV cache; pin it and init the backend off-thread."""
-        assert self._cache_registration is not None
-        assert self.gpu_kv_caches is not None and self.device is not None
-        self.cpu_kv_caches = AsyncCacheRegistration.allocate(
-            self.gpu_kv_caches, self.num_cpu_blocks
-        )
-        # Streams are created here, on the thread whose current device is the
-        # worker's; only zeroing, pinning and the backend init move off-thread.
-        low_pri, _ = torch.cuda.Stream.priority_range()
-        self.load_stream = torch.cuda.Stream(priority=low_pri)
-        self.store_stream = torch.cuda.Stream(priority=low_pri)
-        self._cache_registration.start(
-            self.device,
-            self.cpu_kv_caches,
-            pin_memory,
-            partial(
-                self._backend.init,
-                self.gpu_kv_caches,
-                self.cpu_kv_caches,
-                self.device,
-                self.load_stream,
-                self.store_stream,
-            ),
-        )
+    @redirect_call_in("register_kv_caches", "self._backend.init")
+    def _cpu_backend_init(self, *args) -> None:
+        self._init_copy_backend(*args)
 
 
 @amend("F4", ">=0.28.0,<0.34.0")
 class SimpleCPUOffloadWorker:
-    def _init_cpu_mode(
-        self,
-        unique_gpu_caches: dict[str, torch.Tensor],
-        total_bytes_per_block: int,
-        device: torch.device,
-    ) -> None:
-        logger.info(
-            "SimpleCPUOffloadWorker [CPU]: %d tensors, %d CPU blocks (%.2f GB)",
-            len(unique_gpu_caches),
-            self.num_cpu_blocks,
-            (self.num_cpu_blocks * total_bytes_per_block) / (1024**3),
-        )
+    @redirect_call_in("_init_cpu_mode", "torch.zeros")
+    def _cpu_zeros(self, *args, **kwargs) -> torch.Tensor:
+        return self._allocate_cpu_tensor(*args, **kwargs)
 
-        pin_memory = PIN_MEMORY
-        if not pin_memory:
-            logger.warning(
-                "Pinned memory not available. CPU offload performance may be degraded."
-            )
+    @redirect_call_in("_init_cpu_mode", "pin_tensor")
+    def _cpu_pin(self, tensor: torch.Tensor) -> None:
+        self._pin_cpu_tensor(tensor)
 
-        if self._cache_registration is not None:
-            self._register_cpu_caches_async(unique_gpu_caches, device, pin_memory)
-            return
-
-        self.cpu_kv_caches = {}
-        for name, gpu_tensor in unique_gpu_caches.items():
-            cpu_shape = (self.num_cpu_blocks,) + gpu_tensor.shape[1:]
-            # Allocate non-pinned first, then pin via cudaHostRegister to
-            # bypass PyTorch's CUDACachingHostAllocator which rounds up to
-            # the next power of 2 (e.g. 100 GB -> 128 GB).
-            tensor = torch.zeros(cpu_shape, dtype=gpu_tensor.dtype, device="cpu")
-            if pin_memory:
-                pin_tensor(tensor)
-            self.cpu_kv_caches[name] = tensor
-
-        self._backend = DmaCopyBackend()
-        self._backend.init(
-            unique_gpu_caches,
-            self.cpu_kv_caches,
-            device,
-            self.load_stream,
-            self.store_stream,
-        )
-
-    def _register_cpu_caches_async(
-        self,
-        unique_gpu_caches: dict[str, torch.Tensor],
-        device: torch.device,
-        pin_memory: bool,
-    ) -> None:
-        """Allocate the CPU KV cache; pin it and init the backend off-thread.
-
-        register_kv_caches() has already sized the cache and created the streams
-        on the calling thread, which is where any cross-rank collective of the
-        sizing must stay; only zeroing, pinning and the backend init move.
-        """
-        assert self._cache_registration is not None
-        self.cpu_kv_caches = AsyncCacheRegistration.allocate(
-            unique_gpu_caches, self.num_cpu_blocks
-        )
-        self._backend = DmaCopyBackend()
-        self._cache_registration.start(
-            device,
-            self.cpu_kv_caches,
-            pin_memory,
-            partial(
-                self._backend.init,
-                unique_gpu_caches,
-                self.cpu_kv_caches,
-                device,
-                self.load_stream,
-                self.store_stream,
-            ),
-        )
+    @redirect_call_in("_init_cpu_mode", "self._backend.init")
+    def _cpu_backend_init(self, *args) -> None:
+        self._init_copy_backend(*args)

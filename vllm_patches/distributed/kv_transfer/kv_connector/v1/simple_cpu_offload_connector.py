@@ -31,13 +31,23 @@ class SimpleCPUOffloadConnector:
     register_kv_caches(). cudaHostRegister over the whole CPU tier takes
     minutes at hundreds of GB, and until it returns engine startup, and with it
     the health check, is blocked. With the option the engine serves as soon as
-    the GPU KV cache is ready: requests scheduled while the workers still pin
-    use the GPU KV cache only, and CPU offload (loads and stores) starts once
-    every worker has registered its CPU cache. If pinning fails on a worker,
-    the error is logged and CPU offload stays off. Turn it on for CPU tiers of
-    hundreds of GB and more; small tiers pin in seconds and gain nothing. Only
-    a JSON boolean is accepted (a string such as "false" is rejected).
+    the GPU KV cache is ready: each worker pins once it finished warm-up and
+    CUDA-graph capture (pinning from another thread during a capture fails or
+    breaks it), in chunks of at most 16 GiB, logging its progress; requests
+    scheduled meanwhile use the GPU KV cache only, and CPU offload (loads and
+    stores) starts once every worker has registered its CPU cache. If pinning
+    fails on a worker, it unregisters what it pinned, the error is logged and
+    CPU offload stays off on every worker. Turn it on for CPU tiers of hundreds
+    of GB and more; small tiers pin in seconds and gain nothing. Only a JSON
+    boolean is accepted (a string such as "false" is rejected); ``async_init``
+    (upstream PR 54792's name) is accepted as the same option.
     """
+
+    def start_async_register_cache(self) -> None:
+        """Start the deferred background pin of this worker's CPU KV cache; the GPU
+        worker calls this when it finished warm-up and CUDA-graph capture."""
+        if self.worker_handler is not None:
+            self.worker_handler.start_async_register_cache()
 
     def get_num_new_matched_tokens(
         self,
