@@ -119,13 +119,6 @@ class Overlay:
         return sorted(chosen, key=lambda d: fixes.index(d.fix))
 
 
-# Fixes whose markers may still end at the newest verified release (``<0.34.0``) while
-# their overlays are rewritten on other branches (F2, F3: i17-f3hooks; F4: i15-f4). After
-# merging, ``tools/drop_bounds.py`` drops those bounds; then remove the fix from here
-# (tests/tool/test_splice.py says when) and the check is strict for it.
-TRANSITIONAL_BOUNDS = frozenset({"F4"})
-
-
 @dataclass(frozen=True)
 class UnstartedBound:
     """An upper bound ``<end`` of a marker's range where no other variant of the same
@@ -140,7 +133,7 @@ class UnstartedBound:
         return (f"{d.source}: @{d.kind}({d.fix!r}, {describe_releases(d.releases)!r}) on "
                 f"{d.node.name.value}: the upper bound <{self.end} starts no other variant "
                 f"of {d.name}; a marker says where a variant starts (the newest release "
-                "verified is series.toml's last covered one; tools/drop_bounds.py drops it)")
+                "verified is series.toml's last covered one)")
 
 
 def unstarted_bounds(paths: Iterable[Path]) -> list[UnstartedBound]:
@@ -176,10 +169,9 @@ def unstarted_bounds(paths: Iterable[Path]) -> list[UnstartedBound]:
 
 def check_bounds(paths: Iterable[Path]) -> None:
     """Refuse a marker bound that is merely the newest verified release (see
-    ``unstarted_bounds``), except in the fixes still ``TRANSITIONAL_BOUNDS``."""
+    ``unstarted_bounds``)."""
     for bound in unstarted_bounds(paths):
-        if bound.definition.fix not in TRANSITIONAL_BOUNDS:
-            raise SpliceError(str(bound))
+        raise SpliceError(str(bound))
 
 
 def _parse_file(path: Path) -> tuple[tuple[OverlayDefinition, ...],

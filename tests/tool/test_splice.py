@@ -1,8 +1,5 @@
 """The splice engine on small synthetic modules: what it replaces, adds and keeps."""
 
-import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -11,7 +8,6 @@ from packaging.version import Version
 
 from vllm_patches import _series
 from vllm_patches._splice import (
-    TRANSITIONAL_BOUNDS,
     Overlay,
     SpliceError,
     check_bounds,
@@ -517,44 +513,4 @@ def test_a_range_is_a_start_and_optionally_an_end(tmp_path, releases):
 
 
 def test_markers_end_only_where_a_variant_starts():
-    """Strict for every fix but those whose overlays other branches rewrite now."""
-    strict = [str(b) for b in unstarted_bounds(OVERLAY_PATHS)
-              if b.definition.fix not in TRANSITIONAL_BOUNDS]
-    assert strict == []
-
-
-@pytest.mark.parametrize("fix_id", sorted(TRANSITIONAL_BOUNDS))
-def test_transitional_fixes_still_need_it(fix_id):
-    """Flips to strict: once tools/drop_bounds.py has rewritten a fix's markers, this
-    fails until the fix leaves _splice.TRANSITIONAL_BOUNDS."""
-    assert any(b.definition.fix == fix_id for b in unstarted_bounds(OVERLAY_PATHS)), (
-        f"{fix_id}'s markers end only where variants start: remove it from "
-        "_splice.TRANSITIONAL_BOUNDS")
-
-
-def test_drop_bounds_rewrites_only_markers_and_keeps_every_selection(tmp_path):
-    """tools/drop_bounds.py on a copy of the overlays: afterwards no marker ends where no
-    variant starts, the files differ only in marker strings, and every covered release
-    selects the same definitions (so the patches are byte-identical)."""
-    root = tmp_path / "vllm_patches"
-    shutil.copytree(_series.PACKAGE_DIR, root, ignore=shutil.ignore_patterns("__pycache__"))
-    result = subprocess.run([sys.executable, str(_series.REPO_DIR / "tools" / "drop_bounds.py"),
-                             "--root", str(root), *SERIES.ids], capture_output=True, text=True,
-                            check=False)
-    assert result.returncode == 0, result.stderr
-    copies = [root / o for fix in SERIES.fixes for o in fix.overlays]
-    assert unstarted_bounds(copies) == []
-    for original in dict.fromkeys(OVERLAY_PATHS):
-        copy = root / original.relative_to(_series.PACKAGE_DIR)
-        changed = [(a, b) for a, b in zip(original.read_text().splitlines(),
-                                          copy.read_text().splitlines(), strict=True) if a != b]
-        assert all(a.lstrip().startswith(("@amend(", "@add(")) for a, _ in changed), changed
-        others = list(dict.fromkeys(OVERLAY_PATHS))
-        before = Overlay.parse(original, others)
-        after = Overlay.parse(copy, [root / p.relative_to(_series.PACKAGE_DIR) for p in others])
-        for release in SERIES.covered:
-            ids = [fix.id for fix in SERIES.applicable(release)]
-            assert ([(d.fix, d.name, d.node.deep_equals(e.node) and d.position == e.position)
-                     for d, e in zip(before.select(ids, release), after.select(ids, release),
-                                     strict=True)]
-                    == [(d.fix, d.name, True) for d in before.select(ids, release)]), release
+    assert [str(b) for b in unstarted_bounds(OVERLAY_PATHS)] == []

@@ -13,7 +13,7 @@ from vllm.v1.simple_kv_offload.metadata import (
 from vllm_patches._overlay import amend, call_at_end_of
 
 
-@amend("F4", ">=0.19.0,<0.34.0")
+@amend("F4", ">=0.19.0")
 class SimpleCPUOffloadScheduler:
     @call_at_end_of("__init__")
     def _init_register_gate(self) -> None:

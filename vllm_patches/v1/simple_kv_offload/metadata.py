@@ -10,7 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_patches._overlay import add, amend
 
 
-@amend("F4", ">=0.19.0,<0.34.0")
+@amend("F4", ">=0.19.0")
 class SimpleCPUOffloadWorkerMetadata:
     # async_register_cache only: ranks of the workers whose CPU KV cache became
     # usable (pinned, copy backend initialised) since their last report, and of
@@ -33,7 +33,7 @@ class SimpleCPUOffloadWorkerMetadata:
         )
 
 
-@add("F4", ">=0.19.0,<0.34.0")
+@add("F4", ">=0.19.0")
 def get_async_register_cache(vllm_config: VllmConfig | None) -> bool:
     """Return ``kv_connector_extra_config["async_register_cache"]`` (or its alias
     ``"async_init"``, upstream PR 54792's name; both given must agree).

@@ -35,7 +35,7 @@ from vllm_patches._overlay import (
 )
 
 
-@add("F4", ">=0.19.0,<0.34.0")
+@add("F4", ">=0.19.0")
 def host_register(address: int, nbytes: int) -> None:
     """Page-lock ``nbytes`` of host memory at ``address`` (cudaHostRegister)."""
     err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
@@ -43,7 +43,7 @@ def host_register(address: int, nbytes: int) -> None:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
 
 
-@add("F4", ">=0.19.0,<0.34.0")
+@add("F4", ">=0.19.0")
 def host_unregister(address: int) -> None:
     """Undo host_register() of the range starting at ``address``."""
     err = torch.cuda.cudart().cudaHostUnregister(address)
@@ -51,7 +51,7 @@ def host_unregister(address: int) -> None:
         raise RuntimeError(f"cudaHostUnregister failed: {err}")
 
 
-@add("F4", ">=0.19.0,<0.34.0")
+@add("F4", ">=0.19.0")
 def pin_chunks(tensor: torch.Tensor, max_bytes: int) -> list[tuple[int, int]]:
     """The (address, nbytes) ranges to pin ``tensor`` in, each at most ``max_bytes``.
 
@@ -69,7 +69,7 @@ def pin_chunks(tensor: torch.Tensor, max_bytes: int) -> list[tuple[int, int]]:
     ]
 
 
-@add("F4", ">=0.19.0,<0.34.0")
+@add("F4", ">=0.19.0")
 class PinProgress:
     """Logs how far a background pin got: GB done, rate, estimated time left.
 
@@ -107,7 +107,7 @@ class PinProgress:
         )
 
 
-@add("F4", ">=0.19.0,<0.34.0")
+@add("F4", ">=0.19.0")
 class AsyncCacheRegistration:
     """Pins a worker's CPU KV cache in a daemon thread (``async_register_cache``).
 
@@ -232,7 +232,7 @@ class AsyncCacheRegistration:
                 logger.warning("SimpleCPUOffloadWorker: %s", exc)
 
 
-@amend("F4", ">=0.19.0,<0.34.0")
+@amend("F4", ">=0.19.0")
 class SimpleCPUOffloadWorker:
     """Members shared by every release; the redirect markers, which name the
     upstream method that allocates and pins, sit in the partial classes below."""
@@ -321,7 +321,7 @@ class SimpleCPUOffloadWorker:
         self._init_copy_backend(*args)
 
 
-@amend("F4", ">=0.28.0,<0.34.0")
+@amend("F4", ">=0.28.0")
 class SimpleCPUOffloadWorker:
     @redirect_call_in("_init_cpu_mode", "torch.zeros")
     def _cpu_zeros(self, *args, **kwargs) -> torch.Tensor:

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_
 from vllm_patches._overlay import amend, filter_result_of
 
 
-@amend("F4", ">=0.19.0,<0.34.0")
+@amend("F4", ">=0.19.0")
 class Worker:
     def _start_async_register_cache(self) -> None:
         """Let a connector with ``start_async_register_cache`` (SimpleCPUOffload
@@ -36,7 +36,7 @@ class Worker:
         return compilation_times
 
 
-@amend("F4", ">=0.33.0,<0.34.0")
+@amend("F4", ">=0.33.0")
 class Worker:
     @filter_result_of("_compile_or_warm_up_model")
     def _after_warm_up(self, compilation_times):

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-@amend("F4", ">=0.19.0,<0.34.0")
+@amend("F4", ">=0.19.0")
 class SimpleCPUOffloadConnector:
     __doc__ = """CPU KV cache offloading with custom kernel transfers and BlockPool LRU.
 
