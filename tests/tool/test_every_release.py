@@ -114,4 +114,5 @@ def test_a_main_like_tree_resembles_its_release(tmp_path, capsys):
     code, _, err = run(capsys, "apply", str(checkout))
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert f"it resembles v{release} (" in err and "files its patches change are as in" in err
-    assert f"`vllm-patches apply --release v{release} --3way {checkout}`" in err
+    # Every file its patches change is as in that release: no --3way to advise.
+    assert f"`vllm-patches apply --release v{release} {checkout}`" in err

@@ -59,7 +59,7 @@ from vllm.v1.simple_kv_offload.metadata import (
     SimpleCPUOffloadWorkerMetadata,
 )
 
-try:  # F4's; stock has none (its tests then fail at the call)
+try:  # the option's reader; stock has none (its tests then fail at the call)
     from vllm.v1.simple_kv_offload.metadata import get_async_register_cache
 except ImportError:
     get_async_register_cache = None
@@ -109,7 +109,7 @@ class _FakeStream:
 
 
 class _FakeCuda:
-    """Records F4's CUDA work: cudaHostRegister ranges (fake, no memory is locked),
+    """Records async_register_cache's CUDA work: cudaHostRegister ranges (fake, no memory is locked),
     cudaHostUnregister, the copy backend's init; each with its thread.
 
     ``capture_open`` is the fake capture window: any of these calls while it is
@@ -147,7 +147,8 @@ class _FakeCuda:
         self.unregistered.append(address)
 
     def pin_tensor(self, tensor: torch.Tensor) -> None:
-        """Stock's (and the first F4's) pin: one cudaHostRegister per tensor."""
+        """Stock's pin (and a background pin started at once): one cudaHostRegister per
+        tensor."""
         self._call("pin_tensor")
         if self.fail_at is not None:
             raise RuntimeError("cudaHostRegister failed: cudaErrorMemoryAllocation")
@@ -410,7 +411,7 @@ def test_async_register_returns_while_pinning(monkeypatch):
 
 
 def test_no_cuda_work_during_warm_up_and_capture(monkeypatch):
-    """vllm#46933: no cudaHostRegister and no copy-backend init of F4's between
+    """vllm#46933: no cudaHostRegister and no copy-backend init of the option's between
     register_kv_caches() and the end of compile_or_warm_up_model() (warm-up and
     CUDA-graph capture); the pin starts when that returns and then completes."""
     cuda = _FakeCuda()
