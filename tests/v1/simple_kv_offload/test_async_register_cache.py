@@ -215,6 +215,8 @@ class _StubGpuWorker(gpu_worker_module.Worker):
         self.cache_config = SimpleNamespace(kv_cache_memory_bytes=1)
         self.compilation_config = vllm_config.compilation_config
         self.scheduler_config = vllm_config.scheduler_config
+        self.parallel_config = vllm_config.parallel_config
+        self.device = torch.device("cpu")
         self.model_runner = runner
         self.use_v2_model_runner = False
 
@@ -223,6 +225,8 @@ class _StubGpuWorker(gpu_worker_module.Worker):
         # here; memory figures stay absent so no report is computed.
         if name.startswith("_") and not name.startswith("__"):
             return MagicMock(name=name)
+        if name.endswith("_config"):  # the configs newer releases read (v0.33)
+            return getattr(self.vllm_config, name)
         raise AttributeError(name)
 
 
@@ -247,6 +251,17 @@ def _warm_up_and_capture(monkeypatch: pytest.MonkeyPatch, worker, cuda: _FakeCud
     ):
         if hasattr(gpu_worker_module, name):
             monkeypatch.setattr(gpu_worker_module, name, lambda *a, **k: None)
+    try:  # v0.33 imports it inside compile_or_warm_up_model()
+        from vllm.compilation import compiler_interface
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(
+            compiler_interface,
+            "trigger_inductor_lazy_init",
+            lambda *a, **k: None,
+            raising=False,
+        )
     monkeypatch.setattr(
         gpu_worker_module, "get_pp_group", lambda: SimpleNamespace(is_last_rank=False)
     )
