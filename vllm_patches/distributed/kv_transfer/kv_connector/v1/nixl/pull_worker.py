@@ -156,10 +156,10 @@ class NixlPullConnectorWorker:
         is released when its count reaches the notifications per request,
         ``_notifications_per_reader`` of the number each carries), so that a
         notification after the one that completes its request in the same call
-        is not held, as upstream's loop sees it. Late notifications (``is_late``) and heartbeats pass untouched:
-        upstream's loop logs its error for the former (and, from v0.32, counts
-        them). Notes the requests the loop releases (``_note_pulls``).
-        O(notifications).
+        is not held, as upstream's loop sees it. Late notifications (``is_late``)
+        and heartbeats pass untouched: upstream's loop logs its error for the
+        former (and, from v0.32, counts them). Notes the requests the loop
+        releases (``_note_pulls``). O(notifications).
         """
         counts: dict[str, int] = {}
         released: set[str] = set()
