@@ -25,7 +25,7 @@ import random
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 from unittest.mock import MagicMock
 
 import pytest
@@ -109,8 +109,9 @@ class _FakeStream:
 
 
 class _FakeCuda:
-    """Records async_register_cache's CUDA work: cudaHostRegister ranges (fake, no memory is locked),
-    cudaHostUnregister, the copy backend's init; each with its thread.
+    """Records async_register_cache's CUDA work: cudaHostRegister ranges (fake,
+    no memory is locked), cudaHostUnregister, the copy backend's init; each with
+    its thread.
 
     ``capture_open`` is the fake capture window: any of these calls while it is
     set is a violation (vllm#46933: a pin from another thread during a global-mode
@@ -266,7 +267,7 @@ def _warm_up_and_capture(monkeypatch: pytest.MonkeyPatch, worker, cuda: _FakeCud
         gpu_worker_module, "get_pp_group", lambda: SimpleNamespace(is_last_rank=False)
     )
     try:  # v0.20 .. v0.32 activate it inside compile_or_warm_up_model()
-        from vllm.triton_utils import jit_monitor
+        from vllm.triton_utils import jit_monitor  # type: ignore[attr-defined,unused-ignore]
     except ImportError:
         pass
     else:
@@ -439,10 +440,11 @@ def test_no_cuda_work_during_warm_up_and_capture(monkeypatch):
     registration = worker._cache_registration
     assert registration is not None and registration.join(timeout=10)
     assert registration.ready.is_set()
+    assert worker.cpu_kv_caches is not None
     assert cuda.pinned_bytes == sum(t.nbytes for t in worker.cpu_kv_caches.values())
     # The backend is initialised last, once the whole tier is pinned.
     assert cuda.threads and "DmaCopyBackend.init" not in cuda.in_capture
-    worker._backend.init.assert_called_once()
+    cast(MagicMock, worker._backend).init.assert_called_once()
 
 
 @pytest.mark.parametrize("extra", [None, {"async_register_cache": False}])
@@ -455,7 +457,7 @@ def test_sync_register_pins_on_calling_thread(monkeypatch, extra):
     # Done by the time it returns, on the calling thread.
     assert cuda.threads == [threading.current_thread()] * 2
     assert len(cuda.whole_tensor_pins) == 1 and not cuda.registered
-    worker._backend.init.assert_called_once()
+    cast(MagicMock, worker._backend).init.assert_called_once()
     assert worker.build_connector_worker_meta() is None
 
 
@@ -498,7 +500,7 @@ def test_async_register_failure_unregisters_and_reports(monkeypatch):
     assert len(cuda.registered) == 2
     assert sorted(cuda.unregistered) == sorted(a for a, _ in cuda.registered)
     assert not registration.ready.is_set()
-    worker._backend.init.assert_not_called()
+    cast(MagicMock, worker._backend).init.assert_not_called()
     meta = worker.build_connector_worker_meta()
     assert meta is not None and meta.failed_ranks == {1} and not meta.ready_ranks
     assert worker.build_connector_worker_meta() is None

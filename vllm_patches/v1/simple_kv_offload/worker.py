@@ -276,6 +276,7 @@ class SimpleCPUOffloadWorker:
     ) -> None:
         """Upstream's ``self._backend.init``; deferred, it runs after the pin (it
         resolves cuMemcpyBatchAsync and starts a thread that sets the device)."""
+        assert self._backend is not None
         init = partial(
             self._backend.init,
             gpu_caches,
