@@ -20,6 +20,7 @@ worker's capture are fakes; tiers above 512 GiB are meta tensors.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import random
 import threading
@@ -30,6 +31,7 @@ from unittest.mock import MagicMock
 
 import pytest
 import torch
+
 import vllm.v1.simple_kv_offload.manager as manager_module
 import vllm.v1.simple_kv_offload.worker as worker_module
 import vllm.v1.worker.gpu_worker as gpu_worker_module
@@ -267,7 +269,7 @@ def _warm_up_and_capture(monkeypatch: pytest.MonkeyPatch, worker, cuda: _FakeCud
         gpu_worker_module, "get_pp_group", lambda: SimpleNamespace(is_last_rank=False)
     )
     try:  # v0.20 .. v0.32 activate it inside compile_or_warm_up_model()
-        from vllm.triton_utils import jit_monitor  # type: ignore[attr-defined,unused-ignore]
+        jit_monitor = importlib.import_module("vllm.triton_utils.jit_monitor")
     except ImportError:
         pass
     else:
