@@ -12,7 +12,8 @@ scheduler side builds no CPU load or store until every worker has reported.
 The background pin must not overlap CUDA-graph capture (vllm#46933, why upstream
 reverted its background pin), must register in row-aligned chunks below 512 GiB
 (vllm#51080), must unregister what it pinned when it fails and keep offload off
-on every rank (vllm#51762), and must show its progress.
+on every rank (vllm#51762): the scheduler then has every rank unregister its tier
+and return its pages. It must show its progress.
 
 CPU only: cudaHostRegister, CUDA streams, the DMA copy backend and the GPU
 worker's capture are fakes; tiers above 512 GiB are meta tensors.
@@ -113,7 +114,7 @@ class _FakeStream:
 class _FakeCuda:
     """Records async_register_cache's CUDA work: cudaHostRegister ranges (fake,
     no memory is locked), cudaHostUnregister, the copy backend's init; each with
-    its thread.
+    its thread. Also the host ranges whose pages were returned to the OS.
 
     ``capture_open`` is the fake capture window: any of these calls while it is
     set is a violation (vllm#46933: a pin from another thread during a global-mode
@@ -126,6 +127,7 @@ class _FakeCuda:
         self.fail_at, self.block = fail_at, block
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[int] = []
+        self.pages_returned: list[tuple[int, int]] = []
         self.whole_tensor_pins: list[torch.Tensor] = []
         self.threads: list[threading.Thread] = []
         self.capture_open = False
@@ -149,6 +151,9 @@ class _FakeCuda:
     def unregister(self, address: int) -> None:
         self.unregistered.append(address)
 
+    def return_pages(self, address: int, nbytes: int) -> None:
+        self.pages_returned.append((address, nbytes))
+
     def pin_tensor(self, tensor: torch.Tensor) -> None:
         """Stock's pin (and a background pin started at once): one cudaHostRegister per
         tensor."""
@@ -167,6 +172,18 @@ class _FakeCuda:
         )
 
 
+def _use_cuda(monkeypatch: pytest.MonkeyPatch, cuda: _FakeCuda) -> None:
+    """Send the workers' pin, unpin and page release calls to ``cuda``."""
+    monkeypatch.setattr(worker_module, "pin_tensor", cuda.pin_tensor)
+    monkeypatch.setattr(worker_module, "host_register", cuda.register, raising=False)
+    monkeypatch.setattr(
+        worker_module, "host_unregister", cuda.unregister, raising=False
+    )
+    monkeypatch.setattr(
+        worker_module, "release_host_pages", cuda.return_pages, raising=False
+    )
+
+
 def _make_worker(
     monkeypatch: pytest.MonkeyPatch,
     extra: dict[str, Any] | None,
@@ -174,11 +191,7 @@ def _make_worker(
     rank: int = 0,
 ) -> tuple[SimpleCPUOffloadWorker, dict[str, torch.Tensor]]:
     """A worker whose CUDA calls go to ``cuda``."""
-    monkeypatch.setattr(worker_module, "pin_tensor", cuda.pin_tensor)
-    monkeypatch.setattr(worker_module, "host_register", cuda.register, raising=False)
-    monkeypatch.setattr(
-        worker_module, "host_unregister", cuda.unregister, raising=False
-    )
+    _use_cuda(monkeypatch, cuda)
     # Take the pinning path although the machine has no CUDA (the flag is
     # PIN_MEMORY from v0.24, is_pin_memory_available() before).
     monkeypatch.setattr(worker_module, "PIN_MEMORY", True, raising=False)
@@ -501,11 +514,119 @@ def test_async_register_failure_unregisters_and_reports(monkeypatch):
     logger.exception.assert_called_once()
     assert len(cuda.registered) == 2
     assert sorted(cuda.unregistered) == sorted(a for a, _ in cuda.registered)
+    _assert_tier_returned(worker, cuda)
     assert not registration.ready.is_set()
     cast(MagicMock, worker._backend).init.assert_not_called()
     meta = worker.build_connector_worker_meta()
     assert meta is not None and meta.failed_ranks == {1} and not meta.ready_ranks
     assert worker.build_connector_worker_meta() is None
+
+
+def _assert_tier_returned(worker: SimpleCPUOffloadWorker, cuda: _FakeCuda) -> None:
+    """Nothing of ``worker``'s stays registered and every CPU tensor's pages went
+    back to the OS, once."""
+    assert sorted(cuda.unregistered) == sorted(a for a, _ in cuda.registered)
+    assert worker.cpu_kv_caches is not None
+    assert sorted(cuda.pages_returned) == sorted(
+        (t.data_ptr(), t.nbytes) for t in worker.cpu_kv_caches.values()
+    )
+
+
+def _bind(worker: SimpleCPUOffloadWorker, meta: SimpleCPUOffloadMetadata) -> None:
+    worker.bind_connector_metadata(meta)
+    worker.clear_connector_metadata()
+
+
+def _release_order() -> SimpleCPUOffloadMetadata:
+    meta = SimpleCPUOffloadMetadata()
+    meta.release_cpu_cache = True  # stock has no such field: nothing reads it
+    return meta
+
+
+def test_release_order_frees_a_pinned_rank(monkeypatch):
+    """vllm#51762: a rank whose pin succeeded, told that another failed, unregisters
+    every chunk and returns its pages (in the background), once; it never reports
+    anything afterwards and ordinary metadata changes nothing."""
+    cuda = _FakeCuda()
+    worker, kv_caches = _make_worker(monkeypatch, ASYNC, cuda)
+    monkeypatch.setattr(
+        worker_module.AsyncCacheRegistration, "CHUNK_BYTES", 2 * _BYTES_PER_BLOCK
+    )
+    _register(monkeypatch, worker, kv_caches, cuda)
+    registration = worker._cache_registration
+    assert registration is not None and registration.join(timeout=10)
+    assert len(cuda.registered) == 4 and not cuda.unregistered
+
+    _bind(worker, SimpleCPUOffloadMetadata())
+    assert not cuda.unregistered
+    _bind(worker, _release_order())
+    assert registration.join(timeout=10)
+    _assert_tier_returned(worker, cuda)
+    _bind(worker, _release_order())
+    assert registration.join(timeout=10)
+    assert len(cuda.unregistered) == 4 and len(cuda.pages_returned) == 1
+
+
+def test_release_order_stops_a_pin_in_progress(monkeypatch):
+    """The order can reach a rank still pinning (another rank failed at once): it
+    stops at its next chunk, initialises no backend, reports nothing and leaves
+    nothing registered."""
+    unblock = threading.Event()
+    cuda = _FakeCuda(block=unblock)
+    worker, kv_caches = _make_worker(monkeypatch, ASYNC, cuda)
+    monkeypatch.setattr(
+        worker_module.AsyncCacheRegistration, "CHUNK_BYTES", 2 * _BYTES_PER_BLOCK
+    )
+    try:
+        _register(monkeypatch, worker, kv_caches, cuda)
+        assert cuda.pinned.wait(timeout=10)  # inside the first cudaHostRegister
+        _bind(worker, _release_order())
+    finally:
+        unblock.set()
+    registration = worker._cache_registration
+    assert registration is not None and registration.join(timeout=10)
+    assert len(cuda.registered) == 1
+    _assert_tier_returned(worker, cuda)
+    cast(MagicMock, worker._backend).init.assert_not_called()
+    assert not registration.ready.is_set()
+    assert worker.build_connector_worker_meta() is None
+
+
+def test_failed_rank_leaves_no_rank_pinned(monkeypatch):
+    """vllm#51762 across ranks: rank 1's pin fails after rank 0's succeeded. The
+    report reaches the scheduler, which keeps offload off and puts the release
+    order in the next step's metadata only; bound on every worker, it leaves
+    nothing registered and every tier's pages returned."""
+    connector, _ = _make_connector(ASYNC, world_size=2)
+    cudas = [_FakeCuda(), _FakeCuda(fail_at=1)]
+    workers = []
+    for rank, cuda in enumerate(cudas):
+        worker, kv_caches = _make_worker(monkeypatch, ASYNC, cuda, rank=rank)
+        monkeypatch.setattr(
+            worker_module.AsyncCacheRegistration, "CHUNK_BYTES", 2 * _BYTES_PER_BLOCK
+        )
+        _register(monkeypatch, worker, kv_caches, cuda)
+        registration = worker._cache_registration
+        assert registration is not None and registration.join(timeout=10)
+        workers.append(worker)
+    assert len(cudas[0].registered) == 4 and not cudas[0].unregistered
+
+    reports = [w.build_connector_worker_meta() for w in workers]
+    assert reports[0] is not None and reports[1] is not None
+    connector.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=reports[0].aggregate(reports[1]))
+    )
+    assert connector.scheduler_manager is not None
+    assert not connector.scheduler_manager.is_ready()
+    metas = [connector.build_connector_meta(make_scheduler_output({})) for _ in "ab"]
+    assert [getattr(m, "release_cpu_cache", False) for m in metas] == [True, False]
+
+    for worker, cuda in zip(workers, cudas):
+        _use_cuda(monkeypatch, cuda)
+        _bind(worker, metas[0])
+        registration = worker._cache_registration
+        assert registration is not None and registration.join(timeout=10)
+        _assert_tier_returned(worker, cuda)
 
 
 def _row_aligned_ranges(cuda: _FakeCuda, tensor: torch.Tensor) -> None:

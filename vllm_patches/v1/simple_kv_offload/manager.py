@@ -25,17 +25,26 @@ class SimpleCPUOffloadScheduler:
         then SimpleCPUOffloadConnector matches no CPU hit and builds no load or
         store, so no transfer can reach a worker that cannot run it yet. A
         worker whose registration fails reports failure (it unregistered what it
-        pinned): the gate never opens, on any rank, and that is logged once.
+        pinned): the gate never opens, on any rank, that is logged once, and the
+        next metadata tells every worker to release its CPU KV cache.
         Without the option the gate is open from the start.
         """
         self._ready_worker_ranks: set[int] = set()
         self._failed_worker_ranks: set[int] = set()
+        self._release_pending = False
         self._workers_ready = not get_async_register_cache(self.vllm_config)
         self._gate_created = time.monotonic()
 
     def is_ready(self) -> bool:
         """Whether every worker can run CPU offload transfers."""
         return self._workers_ready
+
+    def take_release_request(self) -> bool:
+        """True exactly once, after the first failed report: the metadata built now
+        asks every worker to unregister and free its CPU KV cache. Once suffices,
+        since every worker receives every step's metadata."""
+        pending, self._release_pending = self._release_pending, False
+        return pending
 
     def update_ready_workers(self, connector_output: KVConnectorOutput) -> None:
         """Record the workers' ready reports; open the gate once all reported."""
@@ -45,9 +54,11 @@ class SimpleCPUOffloadScheduler:
         if meta.failed_ranks and not self._failed_worker_ranks:
             logger.error(
                 "SimpleCPUOffloadScheduler: worker rank(s) %s failed to register "
-                "their CPU KV cache; CPU offload stays off on every rank.",
+                "their CPU KV cache; CPU offload stays off on every rank, and every "
+                "worker unregisters and frees its CPU KV cache.",
                 sorted(meta.failed_ranks),
             )
+            self._release_pending = True
         self._failed_worker_ranks.update(meta.failed_ranks)
         # A set: a rank reported twice counts once.
         self._ready_worker_ranks.update(meta.ready_ranks)

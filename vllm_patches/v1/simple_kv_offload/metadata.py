@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """F4 overlay of vllm/v1/simple_kv_offload/metadata.py: the async_register_cache
-option and the workers' "CPU cache ready" report."""
+option, the workers' "CPU cache ready" report and the scheduler's "release it"
+order."""
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -8,6 +9,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_patches._overlay import add, amend
+
+
+@amend("F4", ">=0.19.0")
+class SimpleCPUOffloadMetadata:
+    # async_register_cache only: set in one step's metadata after a worker reported
+    # that its background pin failed. Every worker then unregisters its CPU KV cache
+    # and returns its pages to the OS, so no rank keeps a pinned tier that CPU
+    # offload, off on every rank from then on, will never use (vllm#51762).
+    release_cpu_cache: bool = False
 
 
 @amend("F4", ">=0.19.0")

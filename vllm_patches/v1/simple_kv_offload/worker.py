@@ -12,6 +12,8 @@ redirects. The GPU worker starts the deferred work when compile_or_warm_up_model
 returns (vllm_patches/v1/worker/gpu_worker.py).
 """
 
+import ctypes
+import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +24,7 @@ import torch
 from vllm.platforms import current_platform
 from vllm.v1.simple_kv_offload.cuda_mem_ops import pin_tensor
 from vllm.v1.simple_kv_offload.metadata import (
+    SimpleCPUOffloadMetadata,
     SimpleCPUOffloadWorkerMetadata,
     get_async_register_cache,
 )
@@ -49,6 +52,26 @@ def host_unregister(address: int) -> None:
     err = torch.cuda.cudart().cudaHostUnregister(address)
     if err.value != 0:
         raise RuntimeError(f"cudaHostUnregister failed: {err}")
+
+
+@add("F4", ">=0.19.0")
+def release_host_pages(address: int, nbytes: int) -> None:
+    """Return the whole pages of ``[address, address + nbytes)`` to the OS
+    (madvise MADV_DONTNEED on anonymous memory).
+
+    The mapping stays valid and reads back as zeros, so the tensors that own the
+    range need not be freed: the copy backend and the worker keep references to
+    them, which differ per release.
+    """
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    end = (address + nbytes) // page * page
+    if end <= start:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(start, end - start, mmap.MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
 
 
 @add("F4", ">=0.19.0")
@@ -126,6 +149,10 @@ class AsyncCacheRegistration:
       reported ready.
     - A failure part-way unregisters every range this worker registered, is
       logged once, and is reported (``failed``): CPU offload stays off everywhere.
+    - release() (the scheduler's order after any rank failed) leaves nothing of
+      this worker's registered and its pages returned, whether it comes before,
+      during or after the pin; a pin in progress stops at its next chunk. No rank
+      keeps a pinned tier that offload will never use (vllm#51762).
     """
 
     # The most one cudaHostRegister call pins. One call of 512 GiB or more fails
@@ -142,6 +169,11 @@ class AsyncCacheRegistration:
         self.ready = threading.Event()
         self.failed = False
         self._reported = False
+        # Guards the hand-over between the pin thread finishing and release().
+        self._lock = threading.Lock()
+        self._finished = False
+        self._release_requested = False
+        self._registered: list[int] = []
         self._tensors: list[torch.Tensor] = []
         self._init_backend: Callable[[], None] | None = None
         self._device: torch.device | None = None
@@ -159,7 +191,11 @@ class AsyncCacheRegistration:
 
     def start(self) -> None:
         """Start the background work, once; later calls (a recapture) do nothing."""
-        if self._thread is not None or self._init_backend is None:
+        if (
+            self._thread is not None
+            or self._init_backend is None
+            or self._release_requested
+        ):
             return
         self._thread = threading.Thread(
             target=self._run, name="simple-cpu-offload-pin", daemon=True
@@ -167,11 +203,30 @@ class AsyncCacheRegistration:
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the background work; True once it has finished."""
+        """Wait for the background work (the pin, or a release after it); True
+        once it has finished."""
         if self._thread is None:
             return False
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def release(self) -> None:
+        """Unregister this worker's CPU KV cache and return its pages, once; the
+        scheduler asks after another rank's pin failed. Never blocks the caller:
+        a running pin stops at its next chunk and releases; a finished one is
+        released by a new daemon thread (unregistering runs for seconds at
+        hundreds of GB)."""
+        with self._lock:
+            if self._release_requested:
+                return
+            self._release_requested = True
+            if not self._finished:
+                return
+            unpin = threading.Thread(
+                target=self._free, name="simple-cpu-offload-unpin", daemon=True
+            )
+            self._thread = unpin
+        unpin.start()
 
     def take_report(self) -> tuple[frozenset[int], frozenset[int]]:
         """(ready ranks, failed ranks) to report: this rank once, when known."""
@@ -183,7 +238,6 @@ class AsyncCacheRegistration:
 
     def _run(self) -> None:
         assert self._init_backend is not None and self._device is not None
-        registered: list[int] = []
         progress = PinProgress(sum(t.nbytes for t in self._tensors))
         try:
             # Without cudaHostRegisterPortable, memory is pinned for the current
@@ -191,26 +245,32 @@ class AsyncCacheRegistration:
             current_platform.set_device(self._device)
             for tensor in self._tensors:
                 for address, nbytes in pin_chunks(tensor, self.CHUNK_BYTES):
+                    if self._release_requested:
+                        break
                     # Stock allocates with torch.zeros; zeroing chunk by chunk keeps
                     # page faults off the calling thread. Both release the GIL.
                     offset = address - tensor.data_ptr()
                     tensor.view(-1).view(torch.uint8)[offset : offset + nbytes].zero_()
                     host_register(address, nbytes)
-                    registered.append(address)
+                    self._registered.append(address)
                     progress.advance(nbytes)
-            self._init_backend()
+            if not self._release_requested:
+                self._init_backend()
         except Exception:
-            self._undo(registered)
             self.failed = True
             logger.exception(
                 "SimpleCPUOffloadWorker (rank %d): registering the CPU KV cache in "
-                "the background failed after %.1f of %.1f GB; unregistered it. CPU "
-                "offload stays off on every rank; requests are served from the GPU "
-                "KV cache only.",
+                "the background failed after %.1f of %.1f GB. CPU offload stays off "
+                "on every rank; requests are served from the GPU KV cache only.",
                 self.rank,
                 progress.done_bytes / 1e9,
                 progress.total_bytes / 1e9,
             )
+        with self._lock:
+            self._finished = True
+            stop = self.failed or self._release_requested
+        if stop:
+            self._free()
             return
         self.ready.set()
         logger.info(
@@ -218,18 +278,34 @@ class AsyncCacheRegistration:
             "chunks in %.1f s; CPU offload starts once all workers are ready.",
             self.rank,
             progress.total_bytes / 1e9,
-            len(registered),
+            len(self._registered),
             time.monotonic() - progress.started,
         )
 
-    @staticmethod
-    def _undo(registered: list[int]) -> None:
-        """Unregister what this worker registered; keep going past errors."""
+    def _free(self) -> None:
+        """Unregister what this worker registered and return the tier's pages;
+        keep going past errors. Idempotent: a second call finds nothing."""
+        with self._lock:
+            registered, self._registered = self._registered, []
+            tensors, self._tensors = self._tensors, []
         for address in registered:
             try:
                 host_unregister(address)
             except RuntimeError as exc:
                 logger.warning("SimpleCPUOffloadWorker: %s", exc)
+        for tensor in tensors:
+            try:
+                release_host_pages(tensor.data_ptr(), tensor.nbytes)
+            except OSError as exc:
+                logger.warning("SimpleCPUOffloadWorker: %s", exc)
+        if tensors:
+            logger.info(
+                "SimpleCPUOffloadWorker (rank %d): CPU KV cache unregistered "
+                "(%d chunks) and %.1f GB returned to the OS; CPU offload is off.",
+                self.rank,
+                len(registered),
+                sum(t.nbytes for t in tensors) / 1e9,
+            )
 
 
 @amend("F4", ">=0.19.0")
@@ -251,6 +327,12 @@ class SimpleCPUOffloadWorker:
         this once it finished warm-up and CUDA-graph capture."""
         if self._cache_registration is not None:
             self._cache_registration.start()
+
+    @call_at_end_of("bind_connector_metadata")
+    def _release_cpu_cache_if_asked(self, metadata: SimpleCPUOffloadMetadata) -> None:
+        """The scheduler's order after a rank's pin failed: unregister and free."""
+        if metadata.release_cpu_cache and self._cache_registration is not None:
+            self._cache_registration.release()
 
     def _allocate_cpu_tensor(self, *args, **kwargs) -> torch.Tensor:
         """Upstream's ``torch.zeros`` of a CPU KV tensor; deferred, ``torch.empty``

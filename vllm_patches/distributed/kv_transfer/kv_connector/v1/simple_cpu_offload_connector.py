@@ -36,11 +36,12 @@ class SimpleCPUOffloadConnector:
     breaks it), in chunks of at most 16 GiB, logging its progress; requests
     scheduled meanwhile use the GPU KV cache only, and CPU offload (loads and
     stores) starts once every worker has registered its CPU cache. If pinning
-    fails on a worker, it unregisters what it pinned, the error is logged and
-    CPU offload stays off on every worker. Turn it on for CPU tiers of hundreds
-    of GB and more; small tiers pin in seconds and gain nothing. Only a JSON
-    boolean is accepted (a string such as "false" is rejected); ``async_init``
-    (upstream PR 54792's name) is accepted as the same option.
+    fails on a worker, the error is logged, CPU offload stays off on every
+    worker, and every worker unregisters its CPU KV cache and returns its
+    memory. Turn it on for CPU tiers of hundreds of GB and more; small tiers
+    pin in seconds and gain nothing. Only a JSON boolean is accepted (a string
+    such as "false" is rejected); ``async_init`` (upstream PR 54792's name) is
+    accepted as the same option.
     """
 
     def start_async_register_cache(self) -> None:
@@ -80,9 +81,13 @@ class SimpleCPUOffloadConnector:
         scheduler_output: SchedulerOutput,
     ) -> KVConnectorMetadata:
         # No load or store may reach a worker whose copy backend may not exist.
-        if self.scheduler_manager is not None and self.scheduler_manager.is_ready():
-            return self.scheduler_manager.build_connector_meta(scheduler_output)
-        return SimpleCPUOffloadMetadata()
+        # After a worker's pin failed, one step's metadata asks all to free theirs.
+        manager = self.scheduler_manager
+        if manager is not None and manager.is_ready():
+            return manager.build_connector_meta(scheduler_output)
+        return SimpleCPUOffloadMetadata(
+            release_cpu_cache=manager is not None and manager.take_release_request()
+        )
 
     def update_connector_output(
         self,
