@@ -13,27 +13,30 @@ How a fix is installed mirrors the static splice (``_splice``) exactly:
 - the imports the splice would add (``_splice.missing_imports``) are added first;
 - an amended class gets each member set on the live class (zero-argument ``super()``
   gets the live class); new dataclass fields re-run ``dataclasses.dataclass`` on the
-  live class in place; ``@call_at_end_of(m)`` wraps upstream ``m`` to call the new
-  method when it returns (with the arguments it names), ``@filter_result_of(m)`` to
-  pass its result through the new method; the ``@filter_call_in(m, c)`` and
-  ``@redirect_call_in(m, c)`` hooks of all fixes recompile upstream ``m`` once from its
-  source with the splice's own rewrite (``_splice.filter_calls``), in its module, at its
-  file and line, before any wrapper goes on it; an amended module function replaces the
-  module's binding and every same-named binding of it in loaded modules; ``@add`` binds a
-  new name.
+  live class in place; a hook goes on with its kind's own runtime change
+  (``_hooks.HOOK_KINDS``, the class that also writes the splice's rewrite):
+  ``@call_at_end_of(m)`` and ``@filter_result_of(m)`` wrap upstream ``m``; the
+  ``@filter_call_in(m, c)`` and ``@redirect_call_in(m, c)`` hooks of all fixes recompile
+  upstream ``m`` once from its source with the splice's own rewrite
+  (``_hooks.filter_calls``), in its module, at its file and line, before any wrapper goes
+  on it; an amended module function replaces the module's binding and every same-named
+  binding of it in loaded modules; ``@add`` binds a new name.
 
-The overlays are parsed once by ``_splice.Overlay.parse`` (libcst): it selects the
-variants, names the imports and the modules an overlay depends on. What is executed is
-compiled from the ``ast`` of the same top-level definition (matched by its position in
-the file, ``OverlayDefinition.position``), because ``compile`` needs an ``ast`` whose
-line numbers are the overlay file's, so that a traceback points at the overlay's line;
-the libcst parse records no positions (it would need a metadata pass over every
-overlay on every ``regen``).
+What to install comes from the splice's parse (``_splice.Overlay.parse``, libcst): the
+variants, their order, the imports, the modules an overlay depends on. Each overlay file
+that holds a selected definition is parsed a second time, with ``ast``, only for what is
+executed: ``compile`` takes an ``ast`` whose line numbers are the overlay file's (a
+traceback and ``inspect.getsource`` point at the overlay's line), and the libcst parse
+records no positions (a metadata pass over every overlay that ``regen`` would pay for
+nothing). The two are matched by position (``OverlayDefinition.position``, names
+asserted equal). The ``ast`` also answers whether a patched tree already holds a fix
+(``_in_source``: compared with the installed file's ``ast``, so formatting differences
+do not count).
 
 Everything is validated before the first change (an ``ActivationError``: nothing is
 installed); a failure after it is ``PartlyInstalled``. Only the standard library is
-imported at module level (libcst and ``_splice`` inside the functions that need them):
-vLLM imports the plugin's module in every process.
+imported at module level (libcst, ``_splice`` and ``_hooks`` inside the functions that
+need them): vLLM imports the plugin's module in every process.
 """
 
 from __future__ import annotations
@@ -54,13 +57,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_patches._errors import UserError
-from vllm_patches._overlay import ADD, AMEND, CALL_AT_END_OF, CALL_REWRITES, HOOKS
+from vllm_patches._overlay import ADD, AMEND, HOOKS
 
 if TYPE_CHECKING:
     from packaging.version import Version
 
     from vllm_patches._series import Fix
-    from vllm_patches._splice import CallFilters
+    from vllm_patches._hooks import CallFilters
 
 # Set on each upstream module that received definitions: fix id -> what was installed.
 INSTALLED_ATTR = "__vllm_patches_installed__"
@@ -424,6 +427,8 @@ def _in_source(module: types.ModuleType, definition: _Definition,
 
 def _validate(item: _OverlayPlan, skip: set[str]) -> None:
     """Every target of the overlay's definitions exists (or, for @add, does not)."""
+    from vllm_patches._hooks import HOOK_KINDS, CallRewrite, ReturnHook
+
     namespace = item.module.__dict__
     where = f"{item.overlay} -> {item.module_name}"
     call_filters = _call_filters([d for d in item.definitions if d.fix not in skip])
@@ -453,13 +458,12 @@ def _validate(item: _OverlayPlan, skip: set[str]) -> None:
                     raise ActivationError(
                         f"{definition.fix}: {where}: {name} has no {member.call_target} to call "
                         f"{member.name} from")
-                parameters = inspect.signature(hooked).parameters if hooked else {}
-                if member.hook[0] == CALL_AT_END_OF and hooked and (missing := [
-                        p for p in member.hook_parameters if p not in parameters]):
-                    raise ActivationError(
-                        f"{definition.fix}: {where}: {name}.{member.call_target} has no "
-                        f"parameter {', '.join(missing)} for {member.name}")
-                if member.hook[0] in CALL_REWRITES and (
+                kind = HOOK_KINDS[member.hook[0]]  # type: ignore[index]
+                if isinstance(kind, ReturnHook) and hooked and (
+                        problem := kind.live_problem(hooked, member.hook_parameters)):
+                    raise ActivationError(f"{definition.fix}: {where}: {name}."
+                                          f"{member.call_target} {problem} for {member.name}")
+                if isinstance(kind, CallRewrite) and (
                         filters := call_filters.pop((name, member.call_target), None)):
                     # All the method's call rewrites, as installing applies them; before any change.
                     _filter_calls_in(target, member.call_target, filters, definition.fix)
@@ -553,8 +557,8 @@ def _unwrapped_functions(value: Any) -> list[types.FunctionType]:
 
 def _call_filters(definitions: list[_Definition]) -> CallFilters:
     """The call filters of ``definitions`` per (upstream class, method), as the splice
-    groups them (``_splice.group_call_filters``)."""
-    from vllm_patches._splice import group_call_filters
+    groups them (``_hooks.group_call_filters``)."""
+    from vllm_patches._hooks import group_call_filters
 
     return group_call_filters((d.name, m.hook, m.name) for d in definitions
                               if d.amends_class for m in d.members if m.hook)
@@ -566,6 +570,8 @@ def _amend_class(cls: type, partial: type, definition: _Definition,
 
     ``call_filters``: those of the overlay's definitions not installed yet; the first
     definition that filters calls in a method recompiles it once with all of them."""
+    from vllm_patches._hooks import HOOK_KINDS
+
     # Zero-argument super() and __class__ refer to the cell of the class body that
     # defined the function: point it at the live class.
     for value in partial.__dict__.values():
@@ -597,7 +603,7 @@ def _amend_class(cls: type, partial: type, definition: _Definition,
                       for name in fields]
     # Call rewrites recompile the upstream function itself: before any wrapper goes on it.
     for member in sorted(definition.members, key=lambda m: m.hook is None or
-                         m.hook[0] not in CALL_REWRITES):
+                         not HOOK_KINDS[m.hook[0]].rewrites_calls):
         if member.hook:
             _hook_into(cls, definition.name, member, call_filters)
             installed.append(Installed(definition.fix, cls, member.call_target, member.name,
@@ -608,12 +614,13 @@ def _amend_class(cls: type, partial: type, definition: _Definition,
 def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str]],
                      fix: str) -> types.FunctionType:
     """Upstream ``cls.<target>`` recompiled from its source with the splice's rewrite of
-    all its ``filters`` (``@filter_call_in``, ``@redirect_call_in``: ``_splice.filter_calls``), in its module's
+    all its ``filters`` (``@filter_call_in``, ``@redirect_call_in``: ``_hooks.filter_calls``), in its module's
     namespace, at its own file and lines. One recompile per method: the source read is
     the text of the file, so a second recompile would lose the first one's rewrite."""
     import libcst as cst
 
-    from vllm_patches._splice import SpliceError, filter_calls
+    from vllm_patches._errors import SpliceError
+    from vllm_patches._hooks import filter_calls
 
     where = f"{fix}: {cls.__module__}.{cls.__qualname__}.{target}".lstrip(": ")
     original = cls.__dict__[target]
@@ -643,37 +650,21 @@ def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str]],
 
 
 def _hook_into(cls: type, name: str, member: _Member, call_filters: CallFilters) -> None:
-    """Change upstream ``cls.<target>`` as the spliced hook call would change it
-    (``name``: the upstream class's name, as ``call_filters`` knows it)."""
-    kind, target = member.hook[:2]  # type: ignore[index]
-    original = cls.__dict__[target]
+    """Change upstream ``cls.<target>`` as the spliced hook call would change it, with the
+    hook kind's own runtime change (``_hooks.HOOK_KINDS``; ``name``: the upstream class's
+    name, as ``call_filters`` knows it)."""
+    from vllm_patches._hooks import HOOK_KINDS, CallRewrite
+
+    kind, target = HOOK_KINDS[member.hook[0]], member.hook[1]  # type: ignore[index]
     method = member.name
-    if kind in CALL_REWRITES:
+    if isinstance(kind, CallRewrite):
         filters = call_filters.pop((name, target), None)
         if filters is None:
             return  # the method's first call filter applied this one with its own
         # From the method as it is now: an earlier fix may have replaced it.
         wrapper = _filter_calls_in(cls, target, filters, "")
-    elif kind == CALL_AT_END_OF:
-        names = member.hook_parameters
-        signature = inspect.signature(original)
-
-        @functools.wraps(original)
-        def wrapper(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            if names:
-                bound = signature.bind(self, *args, **kwargs)
-                bound.apply_defaults()
-                getattr(self, method)(*(bound.arguments[name] for name in names))
-            else:
-                getattr(self, method)()
-            return result
     else:
-
-        @functools.wraps(original)
-        def wrapper(self, *args, **kwargs):
-            return getattr(self, method)(original(self, *args, **kwargs))
-
+        wrapper = kind.wrap(cls.__dict__[target], method, member.hook_parameters)
     setattr(wrapper, HOOK_WRAPPER_ATTR, method)
     setattr(cls, target, wrapper)
 
