@@ -7,3 +7,7 @@ class UserError(Exception):
 
 class Refused(UserError):
     """The checkout's state forbids the operation (conflict, half-applied, local changes)."""
+
+
+class SpliceError(UserError):
+    """An overlay names something the upstream module does not have (or already has)."""

@@ -114,8 +114,6 @@ FILTER_RESULT_OF = "filter_result_of"
 FILTER_CALL_IN = "filter_call_in"
 REDIRECT_CALL_IN = "redirect_call_in"
 HOOKS = {CALL_AT_END_OF, FILTER_RESULT_OF, FILTER_CALL_IN, REDIRECT_CALL_IN}
-# Hook kinds that rewrite calls inside the upstream method: one rewrite per method.
-CALL_REWRITES = (FILTER_CALL_IN, REDIRECT_CALL_IN)
 
 
 def _hook(kind: str, method: str, call: str | None = None) -> Callable[[Definition], Definition]:

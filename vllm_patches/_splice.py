@@ -8,26 +8,24 @@ spliced code uses and upstream lacks are added.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
-from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from vllm_patches._errors import UserError
-from vllm_patches._overlay import (
-    ADD,
-    AMEND,
-    CALL_AT_END_OF,
-    CALL_REWRITES,
-    FILTER_CALL_IN,
-    FILTER_RESULT_OF,
-    HOOKS,
-    REDIRECT_CALL_IN,
+from vllm_patches._errors import SpliceError
+from vllm_patches._hooks import (
+    HOOK_KINDS,
+    CallFilters,
+    CallRewrite,
+    filter_calls,
+    group_call_filters,
+    hook_parameters,
 )
+from vllm_patches._overlay import ADD, AMEND, HOOKS
 from vllm_patches._series import describe_releases
 
 MARKERS = {AMEND, ADD}
@@ -37,10 +35,6 @@ LINE_LENGTH = 88
 # replaces the upstream class docstring.
 DOCSTRING_MEMBER = "__doc__"
 OWN_PACKAGE = "vllm_patches"
-
-
-class SpliceError(UserError):
-    """An overlay names something the upstream module does not have (or already has)."""
 
 
 @dataclass(frozen=True)
@@ -408,226 +402,29 @@ def _strip_hook(member: cst.CSTNode) -> tuple[cst.CSTNode, tuple[str, ...] | Non
     return member, None
 
 
-def hook_parameters(hook: cst.FunctionDef) -> list[str]:
-    """The parameters of a hook method after ``self``: names of its target's parameters."""
-    return [param.name.value for param in hook.params.params[1:]]
-
-
-class _Reindent(cst.CSTTransformer):
-    """Indents every continuation line of an expression by four more spaces."""
-
-    def leave_ParenthesizedWhitespace(self, original, updated):
-        return updated.with_changes(
-            last_line=cst.SimpleWhitespace(updated.last_line.value + "    "))
-
-
-def _one_argument_per_line(call: cst.Call) -> cst.Call:
-    """``f(<multi-line arg>)`` the way ruff formats it: the argument on lines of its own,
-    four spaces deeper, and ``)`` back at the statement's indentation."""
-    (arg,) = call.args
-    def line(indent: str) -> cst.ParenthesizedWhitespace:
-        return cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(indent))
-    return call.with_changes(
-        whitespace_before_args=line("    "),
-        args=[arg.with_changes(value=arg.value.visit(_Reindent()),
-                               whitespace_after_arg=line(""))])
-
-
-class _OwnScopeTransformer(cst.CSTTransformer):
-    """Visits one function body; ``nested`` is how deep inside a function, class or
-    lambda defined in it a node is (0: the body's own code)."""
-
-    def __init__(self) -> None:
-        self.nested = 0
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self.nested += 1
-        return True
-
-    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
-        self.nested -= 1
-        return updated
-
-    visit_ClassDef = visit_FunctionDef  # type: ignore[assignment]
-    leave_ClassDef = leave_FunctionDef  # type: ignore[assignment]
-    visit_Lambda = visit_FunctionDef  # type: ignore[assignment]
-    leave_Lambda = leave_FunctionDef  # type: ignore[assignment]
-
-
-class _ReturnRewriter(_OwnScopeTransformer):
-    """Rewrites the ``return`` statements of one function body, not of nested scopes."""
-
-    def __init__(self, kind: str, call: str, where: str) -> None:
-        super().__init__()
-        self.kind, self.call, self.where = kind, call, where
-        self.returns = 0
-
-    def leave_SimpleStatementSuite(self, original, updated):
-        if not self.nested and any(isinstance(s, cst.Return) for s in updated.body):
-            raise SpliceError(f"{self.where}: a one-line `...: return` can't take a hook; "
-                              "amend the method instead")
-        return updated
-
-    def leave_SimpleStatementLine(self, original, updated):
-        returns = [s for s in updated.body if isinstance(s, cst.Return)]
-        if self.nested or not returns:
-            return updated
-        (statement,) = returns
-        self.returns += 1
-        if self.kind == FILTER_RESULT_OF:
-            if statement.value is None:
-                raise SpliceError(f"{self.where}: a bare `return` can't pass a result through "
-                                  "the hook")
-            result = statement.value
-            if isinstance(result, cst.Tuple) and not result.lpar:
-                # `return a, b` passes one tuple: `self.hook((a, b))`.
-                result = result.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-            value = cst.parse_expression(f"{self.call}(_)").with_changes(
-                args=[cst.Arg(result)])
-            if "\n" in cst.Module([]).code_for_node(result):
-                value = _one_argument_per_line(value)
-            return updated.with_changes(body=[*updated.body[:-1], statement.with_changes(
-                value=value, whitespace_after_return=cst.SimpleWhitespace(" "))])
-        if statement.value is not None:
-            raise SpliceError(f"{self.where}: it returns a value; use @filter_result_of")
-        call = cst.parse_statement(f"{self.call}\n")
-        return cst.FlattenSentinel([call.with_changes(leading_lines=updated.leading_lines),
-                                    updated.with_changes(leading_lines=[])])
-
-
-class _CallFilter(_OwnScopeTransformer):
-    """Rewrites every call of the hooked callees in one function body (not in nested
-    scopes): a redirect sends the call to its hook instead (same arguments), a filter
-    wraps it in its hook, in order, the first innermost; a wrapped call that makes its
-    line longer than ``line_length`` (when given) is laid out as ruff lays it out, the
-    argument of the outermost hook on a line of its own."""
-
-    def __init__(self, hooks: dict[str, list[tuple[str, bool]]], lines: list[str],
-                 column: int, positions: Mapping[cst.CSTNode, CodeRange],
-                 line_length: int | None) -> None:
-        super().__init__()
-        self.hooks = hooks  # callee -> (hook call, redirect), in order
-        self.calls: dict[str, int] = dict.fromkeys(hooks, 0)
-        self.lines, self.column, self.positions = lines, column, positions
-        self.line_length = line_length
-
-    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        callee = cst.Module([]).code_for_node(original.func)
-        if self.nested or callee not in self.hooks:
-            return updated
-        self.calls[callee] += 1
-        wrapped: cst.BaseExpression = updated
-        for hook_call, redirect in self.hooks[callee]:
-            if redirect:
-                wrapped = updated.with_changes(func=cst.parse_expression(hook_call))
-            else:
-                wrapped = cst.parse_expression(f"{hook_call}(_)").with_changes(
-                    args=[cst.Arg(wrapped)])
-        if wrapped is not updated and self._too_long(original, callee) and not \
-                self.hooks[callee][-1][1]:
-            assert isinstance(wrapped, cst.Call)
-            wrapped = _one_argument_per_line(wrapped)
-        return wrapped
-
-    def _too_long(self, original: cst.Call, callee: str) -> bool:
-        """Whether rewriting ``original`` (on one line) makes its line too long."""
-        where = self.positions[original]
-        if self.line_length is None or where.start.line != where.end.line:
-            return False
-        added = sum(len(hook_call) - len(callee) if redirect else len(hook_call) + 2
-                    for hook_call, redirect in self.hooks[callee])
-        line = self.lines[where.start.line - 1]
-        return self.column + len(line) + added > self.line_length
-
-
-# (upstream class, method) -> the (callee, hook, redirect) of its @filter_call_in and
-# @redirect_call_in hooks, in series order: what one rewrite of that method applies.
-CallFilters = dict[tuple[str, str], list[tuple[str, str, bool]]]
-
-
-def group_call_filters(hooks: Iterable[tuple[str, tuple[str, ...], str]]) -> CallFilters:
-    """The call rewrites of ``hooks`` ((upstream class, hook marker, hook method) in
-    series order) grouped per method, so that each method is rewritten once with all
-    of them: two filters of one callee compose, the earlier fix's innermost."""
-    grouped: CallFilters = {}
-    for cls, marker, hook in hooks:
-        if marker[0] in CALL_REWRITES:
-            grouped.setdefault((cls, marker[1]), []).append(
-                (marker[2], hook, marker[0] == REDIRECT_CALL_IN))
-    return grouped
-
-
-def filter_calls(function: cst.FunctionDef, filters: list[tuple[str, str, bool]], where: str,
-                 column: int = 0, line_length: int | None = None) -> cst.FunctionDef:
-    """``function`` with each call ``c(...)`` of a hooked callee in its body rewritten,
-    for each ``(callee, hook, redirect)`` of ``filters`` in order: ``self.<hook>(c(...))``
-    (``@filter_call_in``; a later filter of the same callee wraps the earlier:
-    ``self.<h2>(self.<h1>(c(...)))``) or, with ``redirect``, ``self.<hook>(...)``
-    (``@redirect_call_in``; a redirected callee takes no other hook). The one rewrite
-    of both kinds: the splice and the runtime apply all of a method's with it, in one
-    pass.
-
-    ``column``: where ``function``'s ``def`` starts; with ``line_length`` (the splice:
-    the text must pass ruff format), a line that the hooks make too long is split."""
-    hooks: dict[str, list[tuple[str, bool]]] = {}
-    for callee, hook, redirect in filters:
-        hooks.setdefault(callee, []).append((f"self.{hook}", redirect))
-    if shared := [callee for callee, each in hooks.items()
-                  if len(each) > 1 and any(redirect for _, redirect in each)]:
-        raise SpliceError(f"{where}: {', '.join(shared)} is redirected and hooked again; "
-                          "a redirected call takes no other hook")
-    alone = cst.Module(body=[function])
-    positions = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
-    rewriter = _CallFilter(hooks, alone.code.splitlines(), column, positions, line_length)
-    body = function.body.visit(rewriter)
-    if missing := [callee for callee, calls in rewriter.calls.items() if not calls]:
-        raise SpliceError(f"{where}: {function.name.value} makes no call of {', '.join(missing)}")
-    assert isinstance(body, cst.BaseSuite)
-    return function.with_changes(body=body)
-
-
 def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef,
                path: Path, call_filters: CallFilters) -> cst.ClassDef:
-    """Hook the new method ``hook`` into ``cls.<target>`` (see ``_overlay``).
+    """Hook the new method ``hook`` into ``cls.<target>`` (see ``_overlay``) with its kind's
+    rewrite (``_hooks.HOOK_KINDS``).
 
     The first call filter of a method rewrites it with all of ``call_filters``' filters
     of that method (and takes them out); the later ones find their calls in place."""
-    kind, target = marker[:2]
-    where = f"{path}: @{kind}({target!r}) on {cls.name.value}.{hook.name.value}"
+    kind, target = HOOK_KINDS[marker[0]], marker[1]
+    where = f"{path}: @{kind.marker}({target!r}) on {cls.name.value}.{hook.name.value}"
     body = list(cls.body.body)
     for i, node in enumerate(body):
         if isinstance(node, cst.FunctionDef) and node.name.value == target:
             break
     else:
         raise SpliceError(f"{where}: {cls.name.value} has no {target}")
-    params = hook_parameters(hook)
-    name = hook.name.value
-    if kind in (FILTER_RESULT_OF, FILTER_CALL_IN) and len(params) != 1:
-        raise SpliceError(f"{where}: the hook takes one argument, the result")
-    if kind in CALL_REWRITES:
+    kind.check(hook_parameters(hook), where)
+    if isinstance(kind, CallRewrite):
         filters = call_filters.pop((cls.name.value, target), None)
         if filters is not None:
             column = len(cls.body.indent if cls.body.indent is not None else "    ")
             body[i] = filter_calls(node, filters, where, column, LINE_LENGTH)
-        return cls.with_changes(body=cls.body.with_changes(body=body))
-    if kind == FILTER_RESULT_OF:
-        rewriter = _ReturnRewriter(kind, f"self.{name}", where)
     else:
-        own = {p.name.value for p in (*node.params.posonly_params, *node.params.params,
-                                      *node.params.kwonly_params)}
-        if missing := [p for p in params if p not in own]:
-            raise SpliceError(f"{where}: {target} has no parameter {', '.join(missing)}")
-        rewriter = _ReturnRewriter(kind, f"self.{name}({', '.join(params)})", where)
-    block = node.body.visit(rewriter)
-    assert isinstance(block, cst.IndentedBlock)
-    statements = list(block.body)
-    ends_in_return = isinstance(statements[-1], cst.SimpleStatementLine) and any(
-        isinstance(s, cst.Return) for s in statements[-1].body)
-    if kind == FILTER_RESULT_OF and not ends_in_return:
-        raise SpliceError(f"{where}: {target} must end in `return value`")
-    if kind == CALL_AT_END_OF and not ends_in_return:
-        statements.append(cst.parse_statement(f"{rewriter.call}\n"))
-    body[i] = node.with_changes(body=block.with_changes(body=statements))
+        body[i] = kind.splice(node, hook, where)
     return cls.with_changes(body=cls.body.with_changes(body=body))
 
 

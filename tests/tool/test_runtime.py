@@ -1,5 +1,6 @@
 """Runtime activation on small fake upstream packages built here (no vLLM needed)."""
 
+import ast
 import dataclasses
 import functools
 import importlib
@@ -16,12 +17,12 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _runtime, _series
+from vllm_patches import _install, _runtime, _series
 from vllm_patches._runtime import ActivationError
 from vllm_patches._series import Fix, Series
 
 PACKAGE = "fakevllm"
-INSTALLED = _runtime.INSTALLED_ATTR
+INSTALLED = _install.INSTALLED_ATTR
 LANES = (Version("0.21.0"), Version("0.18.1"), Version("0.33.0"))
 
 WORKER = '''\
@@ -154,7 +155,7 @@ def fake(tmp_path, monkeypatch):
     yield Fake(tmp_path)
     for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
         del sys.modules[name]
-    _runtime._source_tree.cache_clear()
+    _install._source_tree.cache_clear()
 
 
 @pytest.fixture
@@ -795,9 +796,9 @@ def test_the_real_overlays_compile_for_every_supported_release(release):
     """What activation would execute on ``release``: selected, compiled, not run."""
     fixes = [s.fix for s in _runtime.plan(SERIES, release, [f.id for f in SERIES.fixes])
              if s.state == _runtime.ACTIVE]
-    for item in _runtime._plans(fixes, release, _series.PACKAGE_DIR, "vllm"):
+    for item in _install._plans(fixes, release, _series.PACKAGE_DIR, "vllm"):
         for definition in item.definitions:
-            compile(_runtime.ast.Module(body=[definition.node], type_ignores=[]),
+            compile(ast.Module(body=[definition.node], type_ignores=[]),
                     str(item.path), "exec", dont_inherit=True)
 
 

@@ -1,0 +1,363 @@
+"""Hook kinds: one class per hook marker of ``_overlay``, behind one registry.
+
+A hook hooks a new method of an amended class into an upstream method of that class
+(see ``_overlay``). Each kind is one class here, and that class is the only place its
+change of the upstream method is written, for both ways the fixes reach vLLM:
+
+- the static splice (``_splice``) asks the kind to rewrite the upstream method's libcst
+  (``HookKind.splice``, or, for the call rewrites, ``rewrite_call`` per call, all of a
+  method's in one pass: ``filter_calls``);
+- the runtime install (``_install``) asks the kind what replaces the live method
+  (``HookKind.wrap``: a wrapper that does what the spliced text does) or, for the call
+  rewrites, recompiles the live method from its source with the same ``filter_calls``.
+
+``HOOK_KINDS`` maps each marker name to its kind; a new kind is one class added to it
+(plus its marker in ``_overlay``), not a change in the splice and the runtime.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+import libcst as cst
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+
+from vllm_patches._errors import SpliceError
+from vllm_patches._overlay import (
+    CALL_AT_END_OF,
+    FILTER_CALL_IN,
+    FILTER_RESULT_OF,
+    REDIRECT_CALL_IN,
+)
+
+
+def hook_parameters(hook: cst.FunctionDef) -> list[str]:
+    """The parameters of a hook method after ``self``: names of its target's parameters."""
+    return [param.name.value for param in hook.params.params[1:]]
+
+
+class HookKind(ABC):
+    """What every kind says: its marker, and whether the hook takes one argument (what
+    upstream computed). ``rewrites_calls``: the kind rewrites calls inside the method
+    (``CallRewrite``), all of a method's hooks at once; else it changes the method's
+    returns (``ReturnHook``)."""
+
+    marker: ClassVar[str]
+    takes_result: ClassVar[bool]
+    rewrites_calls: ClassVar[bool]
+
+    def check(self, parameters: list[str], where: str) -> None:
+        """The hook method's own shape (``parameters``: those after ``self``)."""
+        if self.takes_result and len(parameters) != 1:
+            raise SpliceError(f"{where}: the hook takes one argument, the result")
+
+
+class ReturnHook(HookKind):
+    """A kind that changes what happens where upstream's method returns."""
+
+    rewrites_calls = False
+
+    @abstractmethod
+    def splice(self, method: cst.FunctionDef, hook: cst.FunctionDef,
+               where: str) -> cst.FunctionDef:
+        """Upstream ``method`` (libcst) with ``hook`` hooked in, as the patch writes it."""
+
+    def live_problem(self, original: Callable[..., Any], parameters: list[str]) -> str | None:
+        """Why the live upstream method ``original`` cannot take the hook, or None."""
+        return None
+
+    @abstractmethod
+    def wrap(self, original: Callable[..., Any], hook: str,
+             parameters: list[str]) -> Callable[..., Any]:
+        """What replaces the live ``original``: does what ``splice``'s text does."""
+
+    def _returns(self, method: cst.FunctionDef, call: str,
+                 where: str) -> tuple[cst.IndentedBlock, list[cst.BaseStatement], bool]:
+        """``method``'s body with its returns rewritten, its statements, and whether it
+        ends in a ``return``."""
+        block = method.body.visit(_ReturnRewriter(self, call, where))
+        assert isinstance(block, cst.IndentedBlock)
+        statements = list(block.body)
+        ends_in_return = isinstance(statements[-1], cst.SimpleStatementLine) and any(
+            isinstance(s, cst.Return) for s in statements[-1].body)
+        return block, statements, ends_in_return
+
+
+class CallAtEndOf(ReturnHook):
+    """``@call_at_end_of("m")``: ``self.<hook>(a, b)`` whenever ``m`` returns normally."""
+
+    marker = CALL_AT_END_OF
+    takes_result = False
+
+    def splice(self, method, hook, where):
+        params = hook_parameters(hook)
+        own = {p.name.value for p in (*method.params.posonly_params, *method.params.params,
+                                      *method.params.kwonly_params)}
+        if missing := [p for p in params if p not in own]:
+            raise SpliceError(f"{where}: {method.name.value} has no parameter "
+                              f"{', '.join(missing)}")
+        call = f"self.{hook.name.value}({', '.join(params)})"
+        block, statements, ends_in_return = self._returns(method, call, where)
+        if not ends_in_return:
+            statements.append(cst.parse_statement(f"{call}\n"))
+        return method.with_changes(body=block.with_changes(body=statements))
+
+    def live_problem(self, original, parameters):
+        own = inspect.signature(original).parameters
+        if missing := [p for p in parameters if p not in own]:
+            return f"has no parameter {', '.join(missing)}"
+        return None
+
+    def wrap(self, original, hook, parameters):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            if parameters:
+                bound = signature.bind(self, *args, **kwargs)
+                bound.apply_defaults()
+                getattr(self, hook)(*(bound.arguments[name] for name in parameters))
+            else:
+                getattr(self, hook)()
+            return result
+
+        return wrapper
+
+
+class FilterResultOf(ReturnHook):
+    """``@filter_result_of("m")``: every ``return value`` of ``m`` passes through the hook."""
+
+    marker = FILTER_RESULT_OF
+    takes_result = True
+
+    def splice(self, method, hook, where):
+        block, statements, ends_in_return = self._returns(
+            method, f"self.{hook.name.value}", where)
+        if not ends_in_return:
+            raise SpliceError(f"{where}: {method.name.value} must end in `return value`")
+        return method.with_changes(body=block.with_changes(body=statements))
+
+    def wrap(self, original, hook, parameters):
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            return getattr(self, hook)(original(self, *args, **kwargs))
+
+        return wrapper
+
+
+class CallRewrite(HookKind):
+    """A kind that rewrites each call of a callee inside upstream's method; all of a
+    method's call rewrites are one pass (``filter_calls``), in the splice and at runtime."""
+
+    rewrites_calls = True
+    # The call goes to the hook instead (no other hook may then take that callee).
+    replaces_call: ClassVar[bool]
+
+    @abstractmethod
+    def rewrite_call(self, call: cst.BaseExpression, hook_call: str) -> cst.BaseExpression:
+        """``call`` (the callee's call, as earlier hooks left it) rewritten for the hook
+        ``hook_call`` (``self.<hook>``)."""
+
+
+class FilterCallIn(CallRewrite):
+    """``@filter_call_in("m", "c")``: ``c(...)`` in ``m`` becomes ``self.<hook>(c(...))``."""
+
+    marker = FILTER_CALL_IN
+    takes_result = True
+    replaces_call = False
+
+    def rewrite_call(self, call, hook_call):
+        return cst.parse_expression(f"{hook_call}(_)").with_changes(args=[cst.Arg(call)])
+
+
+class RedirectCallIn(CallRewrite):
+    """``@redirect_call_in("m", "c")``: ``c(...)`` in ``m`` becomes ``self.<hook>(...)``."""
+
+    marker = REDIRECT_CALL_IN
+    takes_result = False
+    replaces_call = True
+
+    def rewrite_call(self, call, hook_call):
+        assert isinstance(call, cst.Call)
+        return call.with_changes(func=cst.parse_expression(hook_call))
+
+
+HOOK_KINDS: Mapping[str, ReturnHook | CallRewrite] = {
+    kind.marker: kind for kind in (CallAtEndOf(), FilterResultOf(), FilterCallIn(),
+                                   RedirectCallIn())}
+
+
+# ---------------------------------------------------------------- the libcst rewrites
+
+
+class _Reindent(cst.CSTTransformer):
+    """Indents every continuation line of an expression by four more spaces."""
+
+    def leave_ParenthesizedWhitespace(self, original, updated):
+        return updated.with_changes(
+            last_line=cst.SimpleWhitespace(updated.last_line.value + "    "))
+
+
+def _one_argument_per_line(call: cst.Call) -> cst.Call:
+    """``f(<multi-line arg>)`` the way ruff formats it: the argument on lines of its own,
+    four spaces deeper, and ``)`` back at the statement's indentation."""
+    (arg,) = call.args
+    def line(indent: str) -> cst.ParenthesizedWhitespace:
+        return cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(indent))
+    return call.with_changes(
+        whitespace_before_args=line("    "),
+        args=[arg.with_changes(value=arg.value.visit(_Reindent()),
+                               whitespace_after_arg=line(""))])
+
+
+class _OwnScopeTransformer(cst.CSTTransformer):
+    """Visits one function body; ``nested`` is how deep inside a function, class or
+    lambda defined in it a node is (0: the body's own code)."""
+
+    def __init__(self) -> None:
+        self.nested = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self.nested += 1
+        return True
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        self.nested -= 1
+        return updated
+
+    visit_ClassDef = visit_FunctionDef  # type: ignore[assignment]
+    leave_ClassDef = leave_FunctionDef  # type: ignore[assignment]
+    visit_Lambda = visit_FunctionDef  # type: ignore[assignment]
+    leave_Lambda = leave_FunctionDef  # type: ignore[assignment]
+
+
+class _ReturnRewriter(_OwnScopeTransformer):
+    """Rewrites the ``return`` statements of one function body, not of nested scopes."""
+
+    def __init__(self, kind: ReturnHook, call: str, where: str) -> None:
+        super().__init__()
+        self.kind, self.call, self.where = kind, call, where
+
+    def leave_SimpleStatementSuite(self, original, updated):
+        if not self.nested and any(isinstance(s, cst.Return) for s in updated.body):
+            raise SpliceError(f"{self.where}: a one-line `...: return` can't take a hook; "
+                              "amend the method instead")
+        return updated
+
+    def leave_SimpleStatementLine(self, original, updated):
+        returns = [s for s in updated.body if isinstance(s, cst.Return)]
+        if self.nested or not returns:
+            return updated
+        (statement,) = returns
+        if self.kind.takes_result:
+            if statement.value is None:
+                raise SpliceError(f"{self.where}: a bare `return` can't pass a result through "
+                                  "the hook")
+            result = statement.value
+            if isinstance(result, cst.Tuple) and not result.lpar:
+                # `return a, b` passes one tuple: `self.hook((a, b))`.
+                result = result.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+            value = cst.parse_expression(f"{self.call}(_)").with_changes(
+                args=[cst.Arg(result)])
+            if "\n" in cst.Module([]).code_for_node(result):
+                value = _one_argument_per_line(value)
+            return updated.with_changes(body=[*updated.body[:-1], statement.with_changes(
+                value=value, whitespace_after_return=cst.SimpleWhitespace(" "))])
+        if statement.value is not None:
+            raise SpliceError(f"{self.where}: it returns a value; use @filter_result_of")
+        call = cst.parse_statement(f"{self.call}\n")
+        return cst.FlattenSentinel([call.with_changes(leading_lines=updated.leading_lines),
+                                    updated.with_changes(leading_lines=[])])
+
+
+class _CallFilter(_OwnScopeTransformer):
+    """Rewrites every call of the hooked callees in one function body (not in nested
+    scopes): a redirect sends the call to its hook instead (same arguments), a filter
+    wraps it in its hook, in order, the first innermost; a wrapped call that makes its
+    line longer than ``line_length`` (when given) is laid out as ruff lays it out, the
+    argument of the outermost hook on a line of its own."""
+
+    def __init__(self, hooks: dict[str, list[tuple[str, CallRewrite]]], lines: list[str],
+                 column: int, positions: Mapping[cst.CSTNode, CodeRange],
+                 line_length: int | None) -> None:
+        super().__init__()
+        self.hooks = hooks  # callee -> (hook call, kind), in order
+        self.calls: dict[str, int] = dict.fromkeys(hooks, 0)
+        self.lines, self.column, self.positions = lines, column, positions
+        self.line_length = line_length
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        callee = cst.Module([]).code_for_node(original.func)
+        if self.nested or callee not in self.hooks:
+            return updated
+        self.calls[callee] += 1
+        wrapped: cst.BaseExpression = updated
+        for hook_call, kind in self.hooks[callee]:
+            wrapped = kind.rewrite_call(wrapped, hook_call)
+        if wrapped is not updated and self._too_long(original, callee) and not \
+                self.hooks[callee][-1][1].replaces_call:
+            assert isinstance(wrapped, cst.Call)
+            wrapped = _one_argument_per_line(wrapped)
+        return wrapped
+
+    def _too_long(self, original: cst.Call, callee: str) -> bool:
+        """Whether rewriting ``original`` (on one line) makes its line too long."""
+        where = self.positions[original]
+        if self.line_length is None or where.start.line != where.end.line:
+            return False
+        added = sum(len(hook_call) - len(callee) if kind.replaces_call else len(hook_call) + 2
+                    for hook_call, kind in self.hooks[callee])
+        line = self.lines[where.start.line - 1]
+        return self.column + len(line) + added > self.line_length
+
+
+# (upstream class, method) -> the (callee, hook, kind) of its call rewrites
+# (@filter_call_in, @redirect_call_in), in series order: what one rewrite of that method
+# applies.
+CallFilters = dict[tuple[str, str], list[tuple[str, str, CallRewrite]]]
+
+
+def group_call_filters(hooks: Iterable[tuple[str, tuple[str, ...], str]]) -> CallFilters:
+    """The call rewrites of ``hooks`` ((upstream class, hook marker, hook method) in
+    series order) grouped per method, so that each method is rewritten once with all
+    of them: two filters of one callee compose, the earlier fix's innermost."""
+    grouped: CallFilters = {}
+    for cls, marker, hook in hooks:
+        kind = HOOK_KINDS[marker[0]]
+        if isinstance(kind, CallRewrite):
+            grouped.setdefault((cls, marker[1]), []).append((marker[2], hook, kind))
+    return grouped
+
+
+def filter_calls(function: cst.FunctionDef, filters: list[tuple[str, str, bool]], where: str,
+                 column: int = 0, line_length: int | None = None) -> cst.FunctionDef:
+    """``function`` with each call ``c(...)`` of a hooked callee in its body rewritten,
+    for each ``(callee, hook, kind)`` of ``filters`` in order: ``self.<hook>(c(...))``
+    (``@filter_call_in``; a later filter of the same callee wraps the earlier:
+    ``self.<h2>(self.<h1>(c(...)))``) or, for a redirect, ``self.<hook>(...)``
+    (``@redirect_call_in``; a redirected callee takes no other hook). The one rewrite
+    of both kinds: the splice and the runtime apply all of a method's with it, in one
+    pass.
+
+    ``column``: where ``function``'s ``def`` starts; with ``line_length`` (the splice:
+    the text must pass ruff format), a line that the hooks make too long is split."""
+    hooks: dict[str, list[tuple[str, CallRewrite]]] = {}
+    for callee, hook, kind in filters:
+        hooks.setdefault(callee, []).append((f"self.{hook}", kind))
+    if shared := [callee for callee, each in hooks.items()
+                  if len(each) > 1 and any(kind.replaces_call for _, kind in each)]:
+        raise SpliceError(f"{where}: {', '.join(shared)} is redirected and hooked again; "
+                          "a redirected call takes no other hook")
+    alone = cst.Module(body=[function])
+    positions = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+    rewriter = _CallFilter(hooks, alone.code.splitlines(), column, positions, line_length)
+    body = function.body.visit(rewriter)
+    if missing := [callee for callee, calls in rewriter.calls.items() if not calls]:
+        raise SpliceError(f"{where}: {function.name.value} makes no call of {', '.join(missing)}")
+    assert isinstance(body, cst.BaseSuite)
+    return function.with_changes(body=body)
