@@ -77,17 +77,22 @@ def _require_no_conflict(todo: list[FixStatus]) -> None:
         raise Refused("; ".join(f"{s.fix.id} conflicts: {s.detail}" for s in conflicts))
 
 
+def _position(plan: Plan, commit: bool, verb: str) -> int:
+    """Where ``verb`` starts from: HEAD's position when it commits, the work tree's with
+    --no-commit; refuses what either would trip over, before anything changes."""
+    _require_changeable(plan)
+    if commit:
+        _require_clean_for_commits(plan, verb)
+        return plan.head
+    return _require_known_tree(plan)
+
+
 def apply(plan: Plan, commit: bool, check: bool) -> tuple[list[FixStatus], Plan]:
     """Apply the patches the checkout does not hold yet, all or nothing: with ``commit``
     one commit per fix (``git am``), else in the work tree (``git apply``). Finishes a
     half-applied series. Returns what was (or, with ``check``, would be) applied and the
     plan after it."""
-    _require_changeable(plan)
-    if commit:
-        _require_clean_for_commits(plan, "apply")
-        start = plan.head
-    else:
-        start = _require_known_tree(plan)
+    start = _position(plan, commit, "apply")
     last = len(plan.patches)
     todo = [s for s in plan.statuses if s.patch is not None
             and plan.patches.index(s.patch) >= start]
@@ -109,12 +114,7 @@ def revert(plan: Plan, commit: bool, check: bool) -> tuple[list[FixStatus], Plan
     """Undo the applied patches, newest first, all or nothing: with ``commit`` one revert
     commit per fix, else in the work tree. Undoes the applied part of a half-applied
     series. Returns what was (or would be) reverted and the plan after it."""
-    _require_changeable(plan)
-    if commit:
-        _require_clean_for_commits(plan, "revert")
-        end = plan.head
-    else:
-        end = _require_known_tree(plan)
+    end = _position(plan, commit, "revert")
     todo = [s for s in plan.statuses if s.patch is not None
             and plan.patches.index(s.patch) < end]
     if check or not todo:
