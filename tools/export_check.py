@@ -31,13 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a pack
 import lanes
 import precommit
 
-from vllm_patches import _releases, _series
+from vllm_patches import _git, _releases, _series
 
 # export signs the patches off with the git identity it finds; CI has none of its own.
-IDENTITY = {"GIT_AUTHOR_NAME": "vllm-patches export check",
-            "GIT_AUTHOR_EMAIL": "export-check@vllm-patches.invalid",
-            "GIT_COMMITTER_NAME": "vllm-patches export check",
-            "GIT_COMMITTER_EMAIL": "export-check@vllm-patches.invalid"}
+IDENTITY = _git.Identity("vllm-patches export check",
+                         "export-check@vllm-patches.invalid").env()
 
 
 def export_onto(release: Version, fix: _series.Fix, target: Path) -> tuple[Path, str]:

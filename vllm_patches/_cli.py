@@ -139,22 +139,22 @@ def _default_checkout(release) -> Path:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from vllm_patches import _checkout
+    from vllm_patches import _carry
 
     if args.checkout is None:
         args.checkout = str(_default_checkout(args.release))
     with _opened(args, "apply", writes=True) as checkout:
         plan = _plan(checkout, args, "apply", args.three_way)
-        done, after = _checkout.apply(plan, commit=not args.no_commit, check=args.check)
+        done, after = _carry.apply(plan, commit=not args.no_commit, check=args.check)
         return _report(after, done, args.check, "applies", "apply")
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    from vllm_patches import _checkout
+    from vllm_patches import _carry
 
     with _opened(args, "revert", writes=True) as checkout:
         plan = _plan(checkout, args, "revert")
-        done, after = _checkout.revert(plan, commit=not args.no_commit, check=args.check)
+        done, after = _carry.revert(plan, commit=not args.no_commit, check=args.check)
         return _report(after, done, args.check, "reverts", "revert")
 
 

@@ -9,9 +9,10 @@ contributor's own), and there is no guessed one: without an identity, export ref
 survive only ``git am --keep-non-patch``: every line printed says so.
 
 The commits are built on a base (the release's cached checkout, or the contributor's
-HEAD with ``--onto``) in a scratch index and object store (``_git.scratch_env``): making
-and checking a series writes nothing into either repository. ``--onto`` then puts the
-series on the contributor's branch with ``git am``, all or nothing.
+HEAD with ``--onto``) in a scratch index and object store (``_git.Commits``, the pipeline
+regen builds the patches with): making and checking a series writes nothing into either
+repository. ``--onto`` then puts the series on the contributor's branch with ``git am``,
+all or nothing (``Checkout.am``).
 
 Everything written is in upstream's words: commit messages and the PR description come
 from the fixes' title, Why, How and ``export.*`` metadata, which never name this
@@ -30,7 +31,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from vllm_patches import _git, _plan, _releases, _series
-from vllm_patches._checkout import Checkout, git_am, opened
+from vllm_patches._checkout import Checkout, opened
 from vllm_patches._errors import Refused, UserError
 from vllm_patches._patchset import PatchSet
 from vllm_patches._series import Fix, Series
@@ -52,33 +53,27 @@ FULFILLED = ("The purpose of the PR", "The test plan", "The test results",
 
 
 @dataclass(frozen=True)
-class Identity:
-    """Who the commits are by, as git itself resolves it (config or GIT_* environment)."""
+class Contributor:
+    """Who signs the export off: author and committer as git itself resolves them (its
+    configuration or GIT_* environment), never a guessed one."""
 
-    author: tuple[str, str]
-    committer: tuple[str, str]
+    author: _git.Identity
+    committer: _git.Identity
 
     @classmethod
-    def of(cls, where: Path) -> Identity:
-        """The identity git commits with in ``where``; refused when git would guess one."""
-        return cls(_ident(where, "AUTHOR"), _ident(where, "COMMITTER"))
+    def of(cls, where: Path) -> Contributor:
+        """The contributor git commits as in ``where``; refused when git would guess."""
+        author = _git.Identity.configured(where, "AUTHOR")
+        committer = _git.Identity.configured(where, "COMMITTER")
+        if author is None or committer is None:
+            raise Refused("no git identity to sign the patches off with; set yours: git "
+                          "config --global user.name 'Your Name' && git config --global "
+                          "user.email you@example.com (vLLM's DCO needs your own "
+                          "Signed-off-by)")
+        return cls(author, committer)
 
     def env(self) -> dict[str, str]:
-        (author_name, author_email), (committer_name, committer_email) = self.author, self.committer
-        return {"GIT_AUTHOR_NAME": author_name, "GIT_AUTHOR_EMAIL": author_email,
-                "GIT_COMMITTER_NAME": committer_name, "GIT_COMMITTER_EMAIL": committer_email}
-
-
-def _ident(where: Path, role: str) -> tuple[str, str]:
-    # useConfigOnly: no name@hostname guess; a sign-off must be the contributor's own.
-    proc = _git.run(where, "-c", "user.useConfigOnly=true", "var", f"GIT_{role}_IDENT",
-                    check=False)
-    if proc.returncode != 0:
-        raise Refused("no git identity to sign the patches off with; set yours: git config "
-                      "--global user.name 'Your Name' && git config --global user.email "
-                      "you@example.com (vLLM's DCO needs your own Signed-off-by)")
-    name, _, rest = proc.stdout.strip().partition(" <")  # "Name <email> 1700000000 +0000"
-    return name, rest.partition(">")[0]
+        return self.author.env(self.committer)
 
 
 @dataclass(frozen=True)
@@ -152,7 +147,7 @@ def _release_patches(series: Series, release: Version) -> dict[str, Path]:
     return {patch.fix.id: patch.path for patch in PatchSet.load(series, release).patches}
 
 
-def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Identity,
+def build(series: Series, fix: Fix, release: Version, repo: Path, contributor: Contributor,
           three_way: bool = False, onto: bool = False) -> Export:
     """``fix``'s series for ``release``, built on ``repo``'s HEAD in a scratch store.
 
@@ -175,59 +170,42 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, identity: Iden
         version = _releases.declared_version(repo) or release
         upstream = _releases.upstream_commit(repo)
         base_text = f"vLLM v{version}" + (f" (upstream commit {upstream})" if upstream else "")
-    template = _git.run(repo, "show", f"{base}:{TEMPLATE}", check=False)
-    suites = tuple(dict.fromkeys(
-        suite for f in fixes for suite in f.upstream_tests
-        if _git.run(repo, "cat-file", "-e", f"{base}:{suite.partition('::')[0]}",
-                    check=False).returncode == 0))
+    template = _git.file_at(repo, base, TEMPLATE)
     release_patches = _release_patches(series, release)
     steps: list[Step] = []
     patches: list[tuple[str, str]] = []
-    with tempfile.TemporaryDirectory() as scratch:
-        env = {**_git.scratch_env(repo, Path(scratch)), **identity.env()}
-        _git.run(repo, "read-tree", base, env=env)
-        tip = base
+    with _git.commits(repo, base, contributor.env(), isolated=False) as commits:
+        suites = tuple(dict.fromkeys(suite for f in fixes for suite in f.upstream_tests
+                                     if commits.base_has(suite.partition("::")[0])))
         blocked_by = None
         for number, each in enumerate(fixes, start=1):
             if blocked_by is not None:
                 steps.append(Step(number, len(fixes), each, blocked_by=blocked_by))
                 continue
-            error = _add_fix(repo, env, base, each, release_patches[each.id], three_way)
+            error = _add_fix(commits, each, release_patches[each.id], three_way)
             steps.append(Step(number, len(fixes), each, error))
             if error is not None:
                 blocked_by = each.id
                 continue
-            tree = _git.run(repo, "write-tree", env=env).stdout.strip()
-            tip = _git.run(repo, "commit-tree", tree, "-p", tip, "-F", "-", env=env,
-                           input=commit_message(each)).stdout.strip()
+            commits.commit(commit_message(each))
         if blocked_by is None:
-            out = Path(scratch) / "out"
-            _git.run(repo, "format-patch", "--quiet", "-s", "--zero-commit", "--no-signature",
-                     "--numbered" if len(fixes) > 1 else "--no-numbered",
-                     *([f"--base={base}"] if upstream_base else []), "-o", str(out),
-                     f"{base}..{tip}", env=env)
-            patches = [(path.name, path.read_text()) for path in sorted(out.iterdir())]
+            patches = commits.patches("-s", *([f"--base={base}"] if upstream_base else []))
     return Export(fix, fixes, named, release, base_text, tuple(steps), tuple(patches),
-                  template.stdout if template.returncode == 0 else None, suites)
+                  template, suites)
 
 
-def _add_fix(repo: Path, env: dict[str, str], base: str, fix: Fix, patch: Path,
-             three_way: bool) -> str | None:
-    """Stage ``fix``'s patch and its tests in the scratch index; None, or why it cannot."""
-    before = _git.run(repo, "write-tree", env=env).stdout.strip()
-    proc = _git.run(repo, "apply", "--cached", *(["--3way"] if three_way else []), str(patch),
-                    env=env, check=False)
-    if proc.returncode != 0:
-        return _git.reason(proc.stderr)
-    if _git.run(repo, "write-tree", env=env).stdout.strip() == before:
+def _add_fix(commits: _git.Commits, fix: Fix, patch: Path, three_way: bool) -> str | None:
+    """Stage ``fix``'s patch and its tests; None, or why it cannot."""
+    error = commits.apply(patch, three_way)
+    if error is not None:
+        return error
+    if not commits.changed():
         # A 3-way merge of a change the base already has succeeds and changes nothing.
         return "changes nothing: the base has it already"
     for test in fix.tests:
-        if _git.run(repo, "cat-file", "-e", f"{base}:{test}", env=env, check=False).returncode == 0:
+        if commits.base_has(test):
             return f"{test} exists on the base already"
-        blob = _git.run(repo, "hash-object", "-w", "--stdin", env=env,
-                        input=fix_test_file(test).read_text()).stdout.strip()
-        _git.run(repo, "update-index", "--add", "--cacheinfo", f"100644,{blob},{test}", env=env)
+        commits.write(test, fix_test_file(test).read_text())
     return None
 
 
@@ -347,13 +325,12 @@ def _refuse_unready(checkout: Checkout, touched: list[str]) -> None:
     busy = checkout.operation_in_progress()
     if busy:
         raise Refused(busy)
-    if _git.run(checkout.path, "diff", "--cached", "--quiet", check=False).returncode != 0:
+    if checkout.has_staged():
         raise Refused(f"{checkout.path}: the index has staged changes; git am needs it clean")
-    dirty = _git.run(checkout.path, "status", "--porcelain", "-uall", "--", *touched).stdout
-    if dirty.strip():
-        files = ", ".join(line[3:] for line in dirty.splitlines())
+    dirty = checkout.dirty(touched)
+    if dirty:
         raise Refused(f"{checkout.path}: local changes or untracked files where the series "
-                      f"writes: {files}")
+                      f"writes: {', '.join(dirty)}")
 
 
 def _write(export: Export, directory: Path) -> list[Path]:
@@ -383,10 +360,10 @@ def command(series: Series, fix_id: str, release: Version | None, onto: str | No
     if onto is None:
         if three_way or check:
             raise UserError("--3way and --check go with --onto CHECKOUT")
-        identity = Identity.of(Path.cwd())  # before any download: refuse early
+        contributor = Contributor.of(Path.cwd())  # before any download: refuse early
         release = release or _newest_release_with(series, fix)
         series.require_covered(release)
-        export = build(series, fix, release, _releases.fetch(release), identity)
+        export = build(series, fix, release, _releases.fetch(release), contributor)
         return _report(export, output, to_stdout=output is None)
 
     # Refuses what is not a vLLM git checkout; locked like `apply` (_lock).
@@ -411,7 +388,7 @@ def _onto(series: Series, fix: Fix, release: Version | None, checkout: Checkout,
             note = (f"{found.why}; using the v{release} patches ({evidence}; --release "
                     "to choose)")
     series.require_covered(release)
-    contributor = Identity.of(checkout.path)
+    contributor = Contributor.of(checkout.path)
     if note:
         print(f"{checkout.path}: {note}")
     export = build(series, fix, release, checkout.path, contributor, three_way=three_way,
@@ -423,10 +400,8 @@ def _onto(series: Series, fix: Fix, release: Version | None, checkout: Checkout,
         return 0
     with tempfile.TemporaryDirectory() as scratch:
         written = _write(export, Path(scratch) / "series")
-        git_am(checkout, ["am", "--quiet", "--keep-non-patch",
-                          *(str(path) for path in written if path.suffix == ".patch")],
-               contributor.env())
-    branch = _git.run(checkout.path, "branch", "--show-current").stdout.strip() or "HEAD"
+        checkout.am([path for path in written if path.suffix == ".patch"], contributor.env())
+    branch = checkout.branch() or "HEAD"
     print(f"applied onto {checkout.path} ({branch}): {len(export.patches)} commit(s), "
           f"signed off; the PR title: {export.fix.series_title}")
     print("the PR description:\n")

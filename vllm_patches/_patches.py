@@ -11,28 +11,21 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from packaging.version import Version
 
 from vllm_patches import _fingerprint, _git, _patchset, _releases, _series
 from vllm_patches._errors import UserError
-from vllm_patches._patchset import PATCH_AUTHOR_EMAIL, PATCH_AUTHOR_NAME
+from vllm_patches._patchset import PATCH_AUTHOR
 from vllm_patches._series import Fix, Series
 from vllm_patches._splice import Overlay, check_bounds, splice
 
 # A fixed date keeps regenerated patches byte-identical.
-PATCH_DATE = "2026-11-22T00:00:00Z"
-PATCH_COMMIT_ENV = {
-    "GIT_AUTHOR_NAME": PATCH_AUTHOR_NAME,
-    "GIT_AUTHOR_EMAIL": PATCH_AUTHOR_EMAIL,
-    "GIT_COMMITTER_NAME": PATCH_AUTHOR_NAME,
-    "GIT_COMMITTER_EMAIL": PATCH_AUTHOR_EMAIL,
-    "GIT_AUTHOR_DATE": PATCH_DATE,
-    "GIT_COMMITTER_DATE": PATCH_DATE,
-}
+PATCH_COMMITS = replace(PATCH_AUTHOR, date="2026-11-22T00:00:00Z")
+
+
 @dataclass(frozen=True)
 class ReleasePatch:
     """The generated patch of one fix for one release."""
@@ -60,7 +53,7 @@ def commit_message(fix: Fix, release: Version, upstream_commit: str | None) -> s
     trailers += [
         f"Base: {base}",
         f"Vllm-Patches-Fix: {fix.id}",
-        f"Signed-off-by: {PATCH_AUTHOR_NAME} <{PATCH_AUTHOR_EMAIL}>",
+        PATCH_AUTHOR.sign_off,
     ]
     return "\n\n".join(
         [fix.title, f"Why:\n{fix.why}", f"How:\n{fix.how}", "\n".join(trailers)]
@@ -79,10 +72,10 @@ def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -
         if not definitions:
             continue  # an overlay for another layout (e.g. a file older releases had)
         upstream_path = Fix.upstream_path(overlay)
-        shown = _git.run(tree, "show", f"{base}:{upstream_path}", check=False)
-        if shown.returncode != 0:
+        upstream = _git.file_at(tree, base, upstream_path)
+        if upstream is None:
             raise UserError(f"v{release} has no {upstream_path} (overlay {overlay})")
-        spliced = splice(shown.stdout, definitions, parsed.imports, parsed.path)
+        spliced = splice(upstream, definitions, parsed.imports, parsed.path)
         sources[upstream_path] = sort_imports(tree, upstream_path, spliced)
     return sources
 
@@ -138,31 +131,16 @@ def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]
     upstream_commit = _releases.upstream_commit(tree)
     applicable = series.applicable(release)
     check_bounds(_series.PACKAGE_DIR / overlay for fix in applicable for overlay in fix.overlays)
-    with tempfile.TemporaryDirectory() as scratch:
-        env = {**PATCH_COMMIT_ENV, **_git.ISOLATED_ENV, **_git.scratch_env(tree, Path(scratch))}
-        _git.run(tree, "read-tree", base, env=env)
-        parent = base
+    with _git.commits(tree, base, PATCH_COMMITS.env(), isolated=True) as commits:
         for number, fix in enumerate(applicable, start=1):
             sources = spliced_sources(tree, base, applicable[:number], release)
             for upstream_path, source in sources.items():
                 check_formatted(tree, upstream_path, source)
-                blob = _git.run(tree, "hash-object", "-w", "--stdin", input=source,
-                                env=env).stdout.strip()
-                _git.run(tree, "update-index", "--cacheinfo", f"100644,{blob},{upstream_path}",
-                         env=env)
-            written = _git.run(tree, "write-tree", env=env).stdout.strip()
-            if written == _git.run(tree, "rev-parse", f"{parent}^{{tree}}", env=env).stdout.strip():
+                commits.write(upstream_path, source)
+            if not commits.changed():
                 raise UserError(f"{fix.id} changes nothing on v{release}: no overlay variant holds it")
-            message = commit_message(fix, release, upstream_commit)
-            parent = _git.run(tree, "commit-tree", written, "-p", parent, "-F", "-",
-                              env=env, input=message).stdout.strip()
-        if not applicable:
-            return []
-        out = Path(scratch) / "out"
-        _git.run(tree, "format-patch", f"{base}..{parent}", "-o", str(out), "--zero-commit",
-                 "--no-signature", "--full-index",
-                 "--numbered" if len(applicable) > 1 else "--no-numbered", env=env)
-        texts = [path.read_text() for path in sorted(out.iterdir())]
+            commits.commit(commit_message(fix, release, upstream_commit))
+        texts = [text for _name, text in commits.patches("--full-index")]
     return [ReleasePatch(fix, number, text)
             for number, (fix, text) in enumerate(zip(applicable, texts, strict=True), start=1)]
 

@@ -19,14 +19,14 @@ from packaging.version import Version
 
 from vllm_patches import _series
 from vllm_patches._errors import UserError
+from vllm_patches._git import Identity
 from vllm_patches._series import Fix, Series
 
 SERIES_FILE = "series"
 SERIES_HEADER = "# vllm-patches series for"  # the series file's first line
 # The author of every committed patch (and the committer `apply` falls back to where the
 # user has no git identity).
-PATCH_AUTHOR_NAME = "vllm-patches maintainers"
-PATCH_AUTHOR_EMAIL = "vllm-patches@users.noreply.github.com"
+PATCH_AUTHOR = Identity("vllm-patches maintainers", "vllm-patches@users.noreply.github.com")
 # git's id of "no file" on either side of a diff (file created or deleted).
 NO_BLOB = "0" * 40
 

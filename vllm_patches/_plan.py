@@ -1,7 +1,7 @@
 """What the series is on one checkout, worked out once: the release, each fix's state,
 the patch files, and how many of the release's patches HEAD and the work tree hold.
 
-`status` prints a plan; `apply` and `revert` check it and carry it out (``_checkout``);
+`status` prints a plan; `apply` and `revert` check it and carry it out (``_carry``);
 nothing recomputes it. Positions: the release's patches form a chain (patch k was
 generated on top of patches 1..k-1), so a tree holds the first ``k`` of them, its
 *position*, or is off the chain. git applies only a prefix (``git am`` stops at the
@@ -34,17 +34,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from packaging.version import Version
 
 from vllm_patches import _git, _releases
+from vllm_patches._checkout import Checkout
 from vllm_patches._errors import UserError
 from vllm_patches._patchset import Blobs, Patch, PatchSet
 from vllm_patches._series import Fix, Need, Series
-
-if TYPE_CHECKING:  # _checkout imports this module
-    from vllm_patches._checkout import Checkout
 
 
 class State(enum.Enum):
@@ -341,12 +338,12 @@ def resolve_release(checkout: Checkout, series: Series, given: Version | None,
     checkout that says a covered release is that release: a ``given`` other than it is
     refused, naming what the checkout says, rather than planning another release's
     patches on it."""
-    identity = _releases.identify(checkout.path)
-    said = identity.release
+    identified = _releases.identify(checkout.path)
+    said = identified.release
     if given is not None and said is not None and said != given and said in series.covered:
         covered = "" if given in series.covered else (
             f", which is not a release the series covers ({series.describe_covered()})")
-        raise UserError(f"{checkout.path}: it is vLLM v{said} ({identity.source} says so), "
+        raise UserError(f"{checkout.path}: it is vLLM v{said} ({identified.source} says so), "
                         f"not --release v{given}{covered}; drop --release (it is for a "
                         f"checkout that does not say its release)")
     if given is not None:
@@ -359,7 +356,7 @@ def resolve_release(checkout: Checkout, series: Series, given: Version | None,
     if said is not None:
         raise _uncovered(checkout, series, f"vLLM v{said} is not a release the "
                          f"series covers ({series.describe_covered()})", said, verb)
-    raise _uncovered(checkout, series, identity.why, identity.hint, verb)
+    raise _uncovered(checkout, series, identified.why, identified.hint, verb)
 
 
 def _uncovered(checkout: Checkout, series: Series, why: str, hint: Version | None,

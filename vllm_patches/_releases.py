@@ -29,14 +29,8 @@ INDEX_URL = "https://pypi.org/simple/vllm/"
 INDEX_ACCEPT = "application/vnd.pypi.simple.v1+json"
 # Author and date of the synthetic release commit: fixed, so that every fetch of a
 # release yields the same commit id and generated patches carry the same base.
-RELEASE_COMMIT_ENV = {
-    "GIT_AUTHOR_NAME": "vLLM release archive",
-    "GIT_AUTHOR_EMAIL": "release@vllm.invalid",
-    "GIT_COMMITTER_NAME": "vLLM release archive",
-    "GIT_COMMITTER_EMAIL": "release@vllm.invalid",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
-}
+RELEASE_ARCHIVE_AUTHOR = _git.Identity("vLLM release archive", "release@vllm.invalid",
+                                       "2000-01-01T00:00:00Z")
 # Build metadata that the sdist carries but an upstream checkout does not.
 SDIST_BUILD_METADATA = ("PKG-INFO", "vllm.egg-info")
 
@@ -229,7 +223,7 @@ def fetch(version: Version) -> Path:
                 elif path.exists():
                     path.unlink()
             _progress.update(f"committing vLLM {tag} into a git checkout")
-            _git.init_release_repo(top, tag, RELEASE_COMMIT_ENV)
+            _git.init_release_repo(top, tag, RELEASE_ARCHIVE_AUTHOR)
             if dest.exists():
                 shutil.rmtree(dest)
             top.rename(dest)
@@ -309,7 +303,7 @@ def is_archive_import(checkout: Path) -> bool:
 
 
 @dataclass(frozen=True)
-class Identity:
+class Identified:
     """What a checkout says about its release."""
 
     release: Version | None  # the release it is, when it says so
@@ -330,19 +324,19 @@ def declared_version(checkout: Path) -> Version | None:
         raise UserError(f"{checkout}: vllm/_version.py declares {declared!r}") from None
 
 
-def identify(checkout: Path) -> Identity:
+def identify(checkout: Path) -> Identified:
     """The release ``vllm/_version.py`` declares (a local label such as ``+cu128`` is
     ignored), else the release tag at HEAD; a development build and a checkout with
     neither give the reason and the nearest version they name."""
     declared = declared_version(checkout)
     if declared is not None:
         if declared.is_devrelease or declared.is_prerelease:
-            return Identity(None, declared, f"vLLM {declared} is a development build, "
+            return Identified(None, declared, f"vLLM {declared} is a development build, "
                                             "not a release")
-        return Identity(Version(declared.base_version), None, "", "vllm/_version.py")
+        return Identified(Version(declared.base_version), None, "", "vllm/_version.py")
     for tag in _git.tags_at_head(checkout):
         try:
-            return Identity(parse_release(tag), None, "", f"its tag {tag}")
+            return Identified(parse_release(tag), None, "", f"its tag {tag}")
         except UserError:
             continue
     described = _git.run(checkout, "describe", "--tags", "--abbrev=0", "--match", "v[0-9]*",
@@ -352,13 +346,13 @@ def identify(checkout: Path) -> Identity:
     except UserError:
         hint = None
     last = f"; the last release tag before it is {described}" if hint else ""
-    return Identity(None, hint, "cannot tell which vLLM release this is (no vllm/_version.py "
+    return Identified(None, hint, "cannot tell which vLLM release this is (no vllm/_version.py "
                                 f"and no release tag at HEAD{last})")
 
 
 def detect_release(checkout: Path) -> Version:
     """The release a checkout is; a one-line error when it cannot be told."""
-    identity = identify(checkout)
-    if identity.release is None:
-        raise UserError(f"{checkout}: {identity.why}; pass --release")
-    return identity.release
+    identified = identify(checkout)
+    if identified.release is None:
+        raise UserError(f"{checkout}: {identified.why}; pass --release")
+    return identified.release

@@ -200,18 +200,18 @@ def test_apply_3way_in_the_work_tree_leaves_the_index_alone(checkout, capsys):
 
 def test_failed_git_am_is_rolled_back(checkout, capsys, monkeypatch):
     """If git am itself fails midway, the checkout is restored (all or nothing)."""
-    from vllm_patches import _checkout
+    from vllm_patches import _git
 
     before = snapshot(checkout)
-    real_run = _checkout._git.run
+    real_run = _git.run
 
     def failing_am(repo, *args, **kwargs):
         if args[:1] == ("am",) and "--abort" not in args:
             real_run(repo, *args, **kwargs)  # the patches land as commits ...
-            raise _checkout.GitError("git am failed (injected)")  # ... then am "fails"
+            raise _git.GitError("git am failed (injected)")  # ... then am "fails"
         return real_run(repo, *args, **kwargs)
 
-    monkeypatch.setattr(_checkout._git, "run", failing_am)
+    monkeypatch.setattr(_git, "run", failing_am)
     code, _, err = run(capsys, "apply", str(checkout))
     assert code == EXIT_REFUSED and "injected" in err
     monkeypatch.undo()
@@ -220,22 +220,22 @@ def test_failed_git_am_is_rolled_back(checkout, capsys, monkeypatch):
 
 
 def test_failed_revert_commit_is_rolled_back(checkout, capsys, monkeypatch):
-    from vllm_patches import _checkout
+    from vllm_patches import _git
 
     assert run(capsys, "apply", str(checkout))[0] == EXIT_OK
     (checkout / "README.md").write_text("a local change the user keeps\n")
     before = snapshot(checkout)
-    real_run = _checkout._git.run
+    real_run = _git.run
     commits = []
 
     def failing_second_commit(repo, *args, **kwargs):
         if args[:1] == ("commit",):
             commits.append(args)
             if len(commits) == 2:
-                raise _checkout.GitError("git commit failed (injected)")
+                raise _git.GitError("git commit failed (injected)")
         return real_run(repo, *args, **kwargs)
 
-    monkeypatch.setattr(_checkout._git, "run", failing_second_commit)
+    monkeypatch.setattr(_git, "run", failing_second_commit)
     code, _, err = run(capsys, "revert", str(checkout))
     assert code == EXIT_REFUSED and "injected" in err
     monkeypatch.undo()

@@ -82,7 +82,7 @@ def test_every_fix_exports_alone_with_what_it_requires(release, contributor):
     (``requires``) are all it needs. Every patch holds the fix's tests."""
     tree = _releases.fetch(release)
     before = git_state(tree)
-    identity = _export.Identity.of(contributor)
+    identity = _export.Contributor.of(contributor)
     for fix in SERIES.applicable(release):
         export = _export.build(SERIES, fix, release, tree, identity)
         assert export.applies, [step.line() for step in export.steps]
