@@ -188,7 +188,26 @@ def _parse_source(path: Path, source: str) -> tuple[tuple[OverlayDefinition, ...
         elif isinstance(statement, (cst.ClassDef, cst.FunctionDef)):
             definitions += _parse_definition(path, statement, position)
             position += 1
+        elif not (_is_docstring(statement) or _is_type_checking_block(statement)):
+            # Only marked definitions and imports reach upstream: anything else
+            # (a constant, a registration call) would silently be left out.
+            first_line = module.code_for_node(statement).strip().splitlines()[0]
+            raise SpliceError(
+                f"{path}: `{first_line}` is a module-level statement outside a marked "
+                "definition, which the splice would drop; make it a marked @add "
+                "definition or move it into one")
     return tuple(definitions), tuple(imports)
+
+
+def _is_type_checking_block(statement: cst.CSTNode) -> bool:
+    """``if TYPE_CHECKING:`` with imports only: annotations' names, never spliced."""
+    return (
+        isinstance(statement, cst.If)
+        and isinstance(statement.test, cst.Name)
+        and statement.test.value == "TYPE_CHECKING"
+        and statement.orelse is None
+        and all(_is_import(line) for line in statement.body.body)
+    )
 
 
 def _parse_definition(path: Path, node: cst.ClassDef | cst.FunctionDef,

@@ -425,10 +425,27 @@ def test_later_fix_in_series_order_wins(tmp_path):
     ('@amend("F1", ">=0.18", name="Worker")\ndef helper(a):\n    pass\n', "name= is for @amend partial"),
     ('@amend("F1", ">=0.18")\ndef helper(a):\n    pass\n@amend("F1", ">=0.21")\ndef helper(a):\n    pass\n',
      "two variants"),
+    ('LIMIT = 4\n@add("F1", ">=0.18")\ndef helper(a):\n    pass\n', "`LIMIT = 4` is a module-level"),
+    ('if DEBUG:\n    import os\n', "`if DEBUG:` is a module-level"),
 ])
 def test_mistakes_are_loud(tmp_path, body, message):
     with pytest.raises(SpliceError, match=message):
         spliced(write_overlay(tmp_path, body))
+
+
+def test_type_checking_imports_are_allowed(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        """The overlay's own docstring."""
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from os import PathLike
+
+        @add("F1", ">=0.18")
+        def path_of(p: "PathLike") -> str:
+            return str(p)
+    ''')
+    assert "def path_of" in spliced(overlay)
 
 
 def test_doc_assignment_replaces_the_class_docstring(tmp_path):
