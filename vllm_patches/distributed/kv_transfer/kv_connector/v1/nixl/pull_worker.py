@@ -203,14 +203,16 @@ class NixlPullConnectorWorker:
         replay in ``_notifs_to_count`` costs as much again as upstream's own
         loop, which doubled the producer's per-step bookkeeping.
         """
-        if self.consumer_notification_counts_by_req:
-            return None
         parts = [
             notif.decode("utf-8").rpartition(":")
             for messages in notifs.values()
             for notif in messages
             if not notif.startswith(b"HB:")
         ]
+        if not parts:
+            return set()
+        if self.consumer_notification_counts_by_req:
+            return None
         req_ids = {req_id for req_id, _, _ in parts}
         if len(req_ids) != len(parts) or any(
             self._notifications_per_reader(int(readers)) != 1
