@@ -269,6 +269,8 @@ class AsyncCacheRegistration:
         with self._lock:
             self._finished = True
             stop = self.failed or self._release_requested
+            # Counted here: once _finished is set, release() may empty the list.
+            chunks = len(self._registered)
         if stop:
             self._free()
             return
@@ -278,7 +280,7 @@ class AsyncCacheRegistration:
             "chunks in %.1f s; CPU offload starts once all workers are ready.",
             self.rank,
             progress.total_bytes / 1e9,
-            len(self._registered),
+            chunks,
             time.monotonic() - progress.started,
         )
 
