@@ -8,8 +8,11 @@ host memory:
 
 - ``before``  (F4 until this change, and upstream's reverted PR 45850): the pin
   thread starts before capture, one cudaHostRegister for the whole tensor;
+- ``before-chunks``: the pin thread starts before capture, in chunks of --chunk-gib:
+  cudaHostRegister calls that begin while a capture is open (a single call that
+  enters the driver before the first capture begins cannot show the race);
 - ``after``   (F4 now): capture first, then the pin thread, in row-aligned chunks of
-  --chunk-gib (16 GiB, F4's AsyncCacheRegistration.CHUNK_BYTES);
+  --chunk-gib (2 GiB, F4's AsyncCacheRegistration.CHUNK_BYTES);
 - ``after-whole``: capture first, then one cudaHostRegister for the whole tensor
   (one big registration vs chunks, for the driver-lock stall).
 
@@ -21,7 +24,7 @@ the pin runs, next to the same without a pin. Each scenario runs in its own chil
 process, so a broken capture or a sticky CUDA error cannot spoil the next one.
 
 Usage:
-  python benchmarks/gpu_f4_pin_during_capture.py [--sizes-gib 16,64] [--chunk-gib 16]
+  python benchmarks/gpu_f4_pin_during_capture.py [--sizes-gib 16,64] [--chunk-gib 2]
       [--graphs 40] [--scenarios before,after,after-whole]
   python benchmarks/gpu_f4_pin_during_capture.py --dry-run   # no GPU: plan only
 Sizes above 80 % of the host's available memory are skipped (said so in the table).
@@ -37,7 +40,7 @@ import sys
 import threading
 import time
 
-SCENARIOS = ("before", "after", "after-whole")
+SCENARIOS = ("before", "before-chunks", "after", "after-whole")
 GIB = 1 << 30
 
 
@@ -168,7 +171,7 @@ def child(scenario: str, gib: int, chunk_gib: int, graphs: int, row_mib: int) ->
     pinner = Pinner(tensor, ranges, device)
     done = threading.Event()
     result: dict = {"scenario": scenario, "gib": gib, "calls": len(ranges)}
-    if scenario == "before":
+    if scenario.startswith("before"):
         pinner.start()
         result |= _capture(graphs, pinner)
     else:
@@ -196,7 +199,7 @@ def child(scenario: str, gib: int, chunk_gib: int, graphs: int, row_mib: int) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-gib", default="16,64")
-    parser.add_argument("--chunk-gib", type=int, default=16)
+    parser.add_argument("--chunk-gib", type=int, default=2)
     parser.add_argument("--row-mib", type=int, default=2, help="bytes per block row")
     parser.add_argument("--graphs", type=int, default=40)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))

@@ -157,12 +157,14 @@ class AsyncCacheRegistration:
 
     # The most one cudaHostRegister call pins. One call of 512 GiB or more fails
     # with cudaErrorMemoryAllocation however much memory is free (vllm#51080), and
-    # the call holds driver-global locks for its whole length (TensorRT-LLM#17429),
-    # stalling other CUDA calls of the process. 16 GiB is a quarter of the 64 GiB
-    # upstream's OffloadingConnector uses (vllm#51081): at the few GB/s
-    # page-locking runs at, a call ends within seconds, and 4 TB still takes only
-    # 256 calls.
-    CHUNK_BYTES = 16 << 30
+    # the call holds driver-global locks for its whole length (TensorRT-LLM#17429):
+    # every CUDA call of the serving thread waits for it. Measured on an H100
+    # (benchmarks/gpu_f4_pin_during_capture.py, 64 GiB after capture): the longest
+    # stall of a tiny kernel was 0.93-1.52 s with 16 GiB calls, 0.12-0.17 s with
+    # 2 GiB calls, for the same total pin time (7.5-9.3 s against 7.8-8.3 s);
+    # 1 GiB calls stalled a little less (0.08-0.13 s) but took longer in all
+    # (8.9-11.5 s). 4 TB is 2048 calls.
+    CHUNK_BYTES = 2 << 30
 
     def __init__(self, rank: int) -> None:
         self.rank = rank

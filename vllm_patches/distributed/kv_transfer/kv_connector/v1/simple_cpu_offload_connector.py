@@ -33,7 +33,7 @@ class SimpleCPUOffloadConnector:
     the health check, is blocked. With the option the engine serves as soon as
     the GPU KV cache is ready: each worker pins once it finished warm-up and
     CUDA-graph capture (pinning from another thread during a capture fails or
-    breaks it), in chunks of at most 16 GiB, logging its progress; requests
+    breaks it), in chunks of at most 2 GiB, logging its progress; requests
     scheduled meanwhile use the GPU KV cache only, and CPU offload (loads and
     stores) starts once every worker has registered its CPU cache. If pinning
     fails on a worker, the error is logged, CPU offload stays off on every
