@@ -27,8 +27,6 @@ Exit code 0 only if every lane met every expectation.
 from __future__ import annotations
 
 import argparse
-import ast
-import functools
 import hashlib
 import json
 import os
@@ -43,6 +41,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from venvs import uv_pip_install
 
 from vllm_patches import _git, _releases, _series
 
@@ -93,81 +92,6 @@ def ensure_venv(release: Version, tree: Path) -> Path:
     wanted = "\n".join([TORCH, *regular, *no_deps, *NO_DEPS_EXTRA, *TEST_PACKAGES])
     installs = [[TORCH], [TORCH, *regular, *NO_DEPS_EXTRA, *TEST_PACKAGES], ["--no-deps", *no_deps]]
     return cached_venv(BUILD / "venvs" / f"v{release}", wanted, installs, f"v{release}")
-
-
-# pip options (``pip config list`` keys) that say where packages come from, and how uv
-# is told the same: a uv option per value (lists split on whitespace, as pip does), or an
-# environment variable of uv's. uv reads no pip configuration of its own.
-UV_OPTIONS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",
-              "find-links": "--find-links", "trusted-host": "--allow-insecure-host"}
-UV_FLAGS = {"no-index": "--no-index", "pre": "--prerelease=allow"}
-UV_ENV = {"cert": ("SSL_CERT_FILE",), "client-cert": ("SSL_CLIENT_CERT",),
-          "timeout": ("UV_HTTP_TIMEOUT",), "default-timeout": ("UV_HTTP_TIMEOUT",),
-          "proxy": ("HTTP_PROXY", "HTTPS_PROXY")}
-# pip options that do not change which packages an install gets.
-PIP_ONLY = {"disable-pip-version-check", "no-input", "progress-bar", "quiet", "verbose",
-            "no-color", "cache-dir", "no-cache-dir", "root-user-action", "require-virtualenv",
-            "break-system-packages", "no-warn-script-location", "retries", "user"}
-# pip's precedence for one option: the environment, then the command's section, then global.
-PIP_SECTIONS = {"global": 0, "install": 1, ":env:": 2}
-
-
-def pip_settings(listing: str) -> dict[str, str]:
-    """pip's effective value of each option that ``pip install`` reads, from the output of
-    ``pip config list`` (config files and ``PIP_*`` variables)."""
-    ranked: dict[str, tuple[int, str]] = {}
-    for line in listing.splitlines():
-        key, _, value = line.partition("=")
-        section, _, name = key.rpartition(".")
-        rank = PIP_SECTIONS.get(section)
-        if rank is not None and rank >= ranked.get(name, (-1, ""))[0]:
-            ranked[name] = (rank, ast.literal_eval(value))
-    return {name: value for name, (_, value) in ranked.items()}
-
-
-def uv_settings(pip: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """uv's arguments and environment that resolve as pip with settings ``pip`` does: the
-    same indexes and find-links, each package's best version across all of them (pip
-    merges every index: uv's ``unsafe-best-match``; uv's default takes the first index
-    that has the package at all)."""
-    args, env = ["--index-strategy", "unsafe-best-match"], {}
-    for name, value in pip.items():
-        if name in UV_OPTIONS:
-            args += [arg for item in value.split() for arg in (UV_OPTIONS[name], item)]
-        elif name in UV_FLAGS:
-            args += [UV_FLAGS[name]] if value.lower() in ("1", "yes", "true", "on") else []
-        elif name in UV_ENV:
-            env.update(dict.fromkeys(UV_ENV[name], value))
-        elif name not in PIP_ONLY:
-            log(f"warning: pip option {name}={value!r} has no uv equivalent in tools/lanes.py"
-                " (UV_OPTIONS); venvs are built without it")
-    return args, env
-
-
-@functools.cache
-def uv_index() -> tuple[list[str], dict[str, str]]:
-    """uv's index arguments and environment, from this machine's pip configuration."""
-    listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
-                             capture_output=True, text=True, check=True).stdout
-    return uv_settings(pip_settings(listing))
-
-
-def uv_pip_install(python: Path, args: list[str]) -> str | None:
-    """``uv pip install ARGS`` into the venv of ``python``, from pip's indexes. None, or
-    why not (with the end of uv's output). uv installs every wheel from its cache
-    (``UV_CACHE_DIR``, default ``~/.cache/uv``), by hard links where the venv is on the
-    cache's file system (copies elsewhere), so a second venv with the same torch costs
-    seconds; each file is a new file, so a venv copied with ``cp -al`` shares files the
-    way a pip-built one did."""
-    index_args, index_env = uv_index()
-    proc = subprocess.run(
-        [sys.executable, "-m", "uv", "pip", "install", "--quiet", "--python", str(python),
-         *index_args, *args],
-        check=False, capture_output=True, text=True, env={**os.environ, **index_env})
-    if proc.returncode != 0:
-        return (f"uv pip install {' '.join(args)} failed: "
-                f"{(proc.stderr or proc.stdout)[-4000:]}")
-    return None
 
 
 def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str) -> Path:

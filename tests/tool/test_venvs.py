@@ -1,18 +1,20 @@
-"""tools/lanes.py's venvs: uv told where packages come from exactly as pip is configured.
+"""tools/venvs.py: uv told where packages come from exactly as pip is configured.
 
 uv reads no pip configuration: every lane, engine and pre-commit venv is built by
-``lanes.uv_pip_install`` with the indexes, find-links, certificate and timeout that
+``venvs.uv_pip_install`` (through ``lanes.cached_venv``) with the indexes, find-links, certificate and timeout that
 ``pip config list`` reports (config files and ``PIP_*`` variables), resolved as pip
 resolves: the best version across all indexes.
 """
 
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from vllm_patches import _series
 
 sys.path.insert(0, str(_series.REPO_DIR / "tools"))  # tools/ is not a package
 import lanes
+import venvs
 
 # `pip config list` on the machine these tools were written on (files, then PIP_* env).
 LISTING = """\
@@ -28,16 +30,16 @@ global.find-links='/opt/other-wheels'
 
 def test_environment_beats_install_section_beats_global():
     listing = LISTING + "install.find-links='/opt/install-wheels'\ninstall.no-index='false'\n"
-    settings = lanes.pip_settings(listing)
+    settings = venvs.pip_settings(listing)
     assert settings["find-links"] == "/opt/wheels"
     assert settings["cert"] == "/etc/ssl/certs/ca-certificates.crt"
     assert settings["extra-index-url"] == "file:///opt/pypi/simple file:///opt/pypi-more/simple"
     assert settings["no-index"] == "false"
-    assert lanes.pip_settings("") == {}
+    assert venvs.pip_settings("") == {}
 
 
 def test_uv_gets_every_index_and_merges_them_as_pip_does():
-    args, env = lanes.uv_settings(lanes.pip_settings(LISTING))
+    args, env = venvs.uv_settings(venvs.pip_settings(LISTING))
     assert args == ["--index-strategy", "unsafe-best-match",
                     "--find-links", "/opt/wheels",
                     "--extra-index-url", "file:///opt/pypi/simple",
@@ -49,7 +51,7 @@ def test_uv_gets_every_index_and_merges_them_as_pip_does():
 def test_index_url_flags_and_proxy():
     pip = {"index-url": "https://mirror.invalid/simple", "no-index": "yes", "pre": "0",
            "trusted-host": "mirror.invalid other.invalid", "proxy": "http://proxy.invalid:3128"}
-    args, env = lanes.uv_settings(pip)
+    args, env = venvs.uv_settings(pip)
     assert args == ["--index-strategy", "unsafe-best-match",
                     "--index-url", "https://mirror.invalid/simple", "--no-index",
                     "--allow-insecure-host", "mirror.invalid",
@@ -59,7 +61,7 @@ def test_index_url_flags_and_proxy():
 
 
 def test_an_option_uv_is_not_told_is_said(capsys):
-    args, env = lanes.uv_settings({"only-binary": ":all:", "cache-dir": "/tmp/pip"})
+    args, env = venvs.uv_settings({"only-binary": ":all:", "cache-dir": "/tmp/pip"})
     assert (args, env) == (["--index-strategy", "unsafe-best-match"], {})
     out = capsys.readouterr().out
     assert "pip option only-binary=':all:' has no uv equivalent" in out
@@ -77,6 +79,11 @@ def test_cached_venv_builds_with_uv_once_per_stamp(tmp_path: Path):
     marker.touch()
     assert lanes.cached_venv(venv, "iniconfig", [["iniconfig"]], "test") == python
     assert marker.exists()
-    assert lanes.uv_pip_install(python, ["--no-deps", "iniconfig"]) is None
-    problem = lanes.uv_pip_install(python, ["--no-index", "no-such-package-here"])
+    assert venvs.uv_pip_install(python, ["--no-deps", "iniconfig"]) is None
+    problem = venvs.uv_pip_install(python, ["--no-index", "no-such-package-here"])
     assert problem.startswith("uv pip install --no-index no-such-package-here failed: ")
+
+
+def test_test_sh_bootstraps_the_dev_extras_uv():
+    """tools/test.sh's ``.venv`` gets the uv the ``dev`` extra pins (and so runs it)."""
+    assert venvs.uv_pin() == f"uv=={metadata.version('uv')}"
