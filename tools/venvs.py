@@ -85,8 +85,10 @@ def uv_pip_install(python: Path, args: list[str]) -> str | None:
     why not (with the end of uv's output). uv installs every wheel from its cache
     (``UV_CACHE_DIR``, default ``~/.cache/uv``), by hard links where the venv is on the
     cache's file system (copies elsewhere), so a second venv with the same torch costs
-    seconds; each file is a new file, so a venv copied with ``cp -al`` shares files the
-    way a pip-built one did."""
+    seconds. A venv is still only as relocatable as ``python -m venv`` made it (scripts'
+    shebangs name its path; the tools run ``python -m``), and a copy by ``cp -al`` shares
+    its files as before, now with uv's cache too: files in a venv are replaced, never
+    edited in place (as pip and uv do), or the cache would change with them."""
     index_args, index_env = uv_index()
     proc = subprocess.run(
         [sys.executable, "-m", "uv", "pip", "install", "--quiet", "--python", str(python),
