@@ -62,6 +62,11 @@ class EngineSettings:
     tests: tuple[str, ...] = ()
     # The connectors the NIXL pair runs with, each stock and fixed.
     pair_connectors: tuple[str, ...] = ("NixlConnector",)
+    # Processes of a served engine (tests/e2e/analysis.py, ROLES) that do not show the
+    # plugin's line: vLLM 0.32's API server loads plugins while it builds its argument
+    # parser, before it configures logging from the parsed arguments, so an INFO line
+    # logged then goes nowhere. It runs none of the fixed code.
+    quiet_roles: tuple[str, ...] = ()
 
 
 # Every per-release difference, by the first release it applies to; a release takes the
@@ -74,7 +79,8 @@ ENGINE_SETTINGS = {
     # blocks); F3's worker-level race is proven by the v0.21.0 lane and the fix tests.
     Version("0.30.0"): EngineSettings(block_size=32, excluded=("torchcodec",),
                                       tests=("tests/e2e/test_f2_f3_nixl_pair.py",),
-                                      pair_connectors=("NixlConnector", "MultiConnector")),
+                                      pair_connectors=("NixlConnector", "MultiConnector"),
+                                      quiet_roles=("API server",)),
 }
 # Releases with a real-engine lane, and why no other: see README ("Real-engine lane").
 ENGINE_RELEASES = [Version("0.21.0"), Version("0.32.0")]
@@ -152,6 +158,7 @@ def engine_env(release: Version) -> dict[str, str]:
         "VLLM_PATCHES_E2E_RELEASE": str(release),
         "VLLM_PATCHES_E2E_BLOCK_SIZE": str(engine_settings(release).block_size),
         "VLLM_PATCHES_E2E_PAIR_CONNECTORS": ",".join(engine_settings(release).pair_connectors),
+        "VLLM_PATCHES_E2E_QUIET_ROLES": ",".join(engine_settings(release).quiet_roles),
         # The release's source tree: the F3 test builds its producer worker with
         # upstream's test utilities of the same release (vLLM itself is the wheel).
         "VLLM_PATCHES_E2E_UPSTREAM": str(_releases.fetch(release)),

@@ -59,6 +59,12 @@ def block_size() -> int:
     return int(os.environ["VLLM_PATCHES_E2E_BLOCK_SIZE"])
 
 
+def quiet_roles() -> tuple[str, ...]:
+    """The processes (``analysis.ROLES``) of the release's served engine that do not show
+    the plugin's line (``tools/engine_lane.py``, ``engine_settings``)."""
+    return tuple(filter(None, os.environ.get("VLLM_PATCHES_E2E_QUIET_ROLES", "").split(",")))
+
+
 def activation_line(mode: str, environ: dict[str, str]) -> str:
     """The line the installed plugin logs in every process, for this release, ``mode``
     and the fixes ``environ`` selects."""

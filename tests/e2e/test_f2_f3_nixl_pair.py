@@ -58,7 +58,7 @@ from pathlib import Path
 
 import analysis
 import pytest
-from harness import activation_line, bug_expected, probe_events, run_scenario
+from harness import activation_line, bug_expected, probe_events, quiet_roles, run_scenario
 
 pytestmark = pytest.mark.engine
 
@@ -133,12 +133,14 @@ def burst(mode: str, connector: str) -> Burst:
 @RUNS
 def test_plugin_line_in_every_process(mode: str, connector: str) -> None:
     """Every process of both engines (API server, engine core, worker) logs the plugin's
-    line: stock that it is disabled, fixed what it activated for this release."""
+    line: stock that it is disabled, fixed what it activated for this release (the API
+    server, which runs none of the fixed code, may log nothing where its release loads
+    plugins before it configures logging: ``harness.quiet_roles``)."""
     run = burst(mode, connector)
     expected = activation_line(mode, {})
     problems = [problem for engine in ("producer", "decoder")
                 for problem in analysis.plugin_line_problems(run.run_dir / f"{engine}.log",
-                                                             expected)]
+                                                             expected, quiet_roles())]
     assert not problems, problems
 
 

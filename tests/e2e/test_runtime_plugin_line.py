@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from analysis import plugin_line_problems
-from harness import activation_line, run_scenario
+from harness import activation_line, quiet_roles, run_scenario
 
 pytestmark = pytest.mark.engine
 
@@ -33,5 +33,5 @@ def test_activation_line_in_every_process(case: str) -> None:
     record = run_scenario("served", mode, extra_env=environ, label=f"served-{case}")
     assert record["completion_tokens"] == 2, "the served engine did not answer"
     problems = plugin_line_problems(Path(record["run_dir"]) / "server.log",
-                                    activation_line(mode, environ))
+                                    activation_line(mode, environ), quiet_roles())
     assert not problems, problems
