@@ -37,7 +37,8 @@ def measure() -> dict:
 
     results = {}
     for mode in ("stock", "fixed"):
-        record = harness.run_scenario("nixl_pair", mode, {"samples": SAMPLES},
+        record = harness.run_scenario("nixl_pair", mode,
+                                      {"samples": SAMPLES, "connector": "NixlConnector"},
                                       label="bench-f2-nixl-pair")
         producer = harness.probe_events(record["run_dir"], "producer.probe.jsonl")
         decoder = harness.probe_events(record["run_dir"], "decoder.probe.jsonl")

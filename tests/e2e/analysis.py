@@ -37,6 +37,29 @@ def lines_by_process(log: Path, prefix: str) -> dict[int, tuple[str, list[str]]]
     return processes
 
 
+# vLLM's process names (multiprocessing), one of each in a served engine on CPU.
+ROLES = {"API server": "MainProcess", "engine core": "EngineCore", "worker": "VllmWorker-"}
+
+
+def plugin_line_problems(log: Path, expected: str, quiet: tuple[str, ...] = ()
+                         ) -> list[str]:
+    """What is wrong with the plugin's lines in a served engine's log: one process of
+    each of ``ROLES``, each logging exactly ``expected`` (a process without the line
+    would run unfixed: F1 acts in the engine core, F2/F3/F4 in the workers); a role in
+    ``quiet`` (one that loads plugins before vLLM configures its logging) may log
+    nothing instead."""
+    processes = lines_by_process(log, "vllm-patches")
+    names = sorted(name for name, _ in processes.values())
+    problems = [f"{log.name}: expected one {role} process ({name}), found {names}"
+                for role, name in ROLES.items()
+                if sum(n.startswith(name) for n in names) != 1]
+    quiet_names = tuple(ROLES[role] for role in quiet)
+    problems += [f"{log.name}: process {pid} ({name}) logged {lines}, not [{expected!r}]"
+                 for pid, (name, lines) in sorted(processes.items())
+                 if lines != [expected] and not (lines == [] and name.startswith(quiet_names))]
+    return problems
+
+
 # ------------------------------------------------------------------------------- F1
 
 
@@ -69,10 +92,19 @@ def parent_of(req_id: str) -> str | None:
     return match.group(2) if match else None
 
 
+# A decoder's heartbeat ("HB:req,req"), v0.22+: renews leases, reports no pull.
+HEARTBEAT_PREFIX = "HB:"
+
+
+def pull_notifications(messages: list[str]) -> list[str]:
+    """The pull notifications (``f"{req_id}:{count}"``) among NIXL notification messages."""
+    return [message for message in messages if not message.startswith(HEARTBEAT_PREFIX)]
+
+
 def notification_messages(events: list[dict[str, Any]]) -> list[tuple[float, str]]:
     """(time read, request id) of every pull notification a producer's worker read."""
-    return [(event["t"], message.rsplit(":", 1)[0])
-            for event in events if event["event"] == "notifs" for message in event["msgs"]]
+    return [(event["t"], message.rsplit(":", 1)[0]) for event in events
+            if event["event"] == "notifs" for message in pull_notifications(event["msgs"])]
 
 
 def reads_by_request(decoder_events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -80,7 +112,7 @@ def reads_by_request(decoder_events: list[dict[str, Any]]) -> dict[str, list[dic
     for it, in order."""
     reads: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for event in decoder_events:
-        if event["event"] in ("read", "notif_sent"):
+        if event["event"] in ("read", "notif_sent") and pull_notifications([event["notif"]]):
             reads[event["notif"].rsplit(":", 1)[0]].append(event)
     return reads
 

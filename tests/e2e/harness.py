@@ -53,6 +53,33 @@ def release() -> str:
     return os.environ["VLLM_PATCHES_E2E_RELEASE"]
 
 
+def block_size() -> int:
+    """The KV block size of every engine of the lane: the release's (decided by
+    ``tools/engine_lane.py``, ``engine_settings``)."""
+    return int(os.environ["VLLM_PATCHES_E2E_BLOCK_SIZE"])
+
+
+def quiet_roles() -> tuple[str, ...]:
+    """The processes (``analysis.ROLES``) of the release's served engine that do not show
+    the plugin's line (``tools/engine_lane.py``, ``engine_settings``)."""
+    return tuple(filter(None, os.environ.get("VLLM_PATCHES_E2E_QUIET_ROLES", "").split(",")))
+
+
+def activation_line(mode: str, environ: dict[str, str]) -> str:
+    """The line the installed plugin logs in every process, for this release, ``mode``
+    and the fixes ``environ`` selects."""
+    from packaging.version import Version
+
+    from vllm_patches import _runtime, _series
+
+    if mode == "stock":
+        return _runtime.Activation(None, [], disabled=True).line()
+    series = _series.load()
+    version = Version(release())
+    return _runtime.Activation(
+        version, _runtime.plan(series, version, _runtime.selected_ids(series, environ))).line()
+
+
 def bug_expected(fix_id: str, mode: str) -> bool:
     """Whether a run in ``mode`` must show the bug that ``fix_id`` fixes: a stock run on a
     release that needs the fix (not on one that has it upstream or never had the bug)."""

