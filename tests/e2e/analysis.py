@@ -242,3 +242,37 @@ def pair_summary(record: dict[str, Any], producer_events: list[dict[str, Any]],
         "blocks_freed_while_read_outstanding": len(frees_while_read_outstanding(producer_events)),
         "notification_timing": notification_timing(producer_events, decoder_events, remote_ids),
     }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+def load_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one load run (``scenarios.nixl_load``): what an operator of a P/D
+    deployment watches. Usage figures are over the load window (samples up to
+    ``seconds``); "pool-bound" samples are those where the producer had requests waiting
+    while its pool was at least 90 % used."""
+    flows = record["flows"]
+    latencies = [flow["t_decoded"] - flow["t_start"] for flow in flows]
+    window = [s for s in record["samples"] if s["t"] <= record["seconds"]]
+    usages = [s["usage"] for s in window]
+    return {
+        "clients": record["clients"], "n": record["n"], "seconds": record["seconds"],
+        "pool_blocks": record["pool_blocks"], "prompt_tokens": record["prompt_tokens"],
+        "prompts": len(flows),
+        "prompts_per_min": round(60 * len(flows) / record["t_done"], 2),
+        "latency_p50_s": _percentile(latencies, 0.5),
+        "latency_p90_s": _percentile(latencies, 0.9),
+        "usage_peak": max(usages, default=None),
+        "usage_mean": sum(usages) / len(usages) if usages else None,
+        "usage_after": record["usage_after"],
+        "pool_bound_samples": sum(1 for s in window if s["waiting"] > 0 and s["usage"] >= 0.9),
+        "samples": len(window),
+        "expired_lines": len(record["expired_lines"]),
+        "invalid_kv_lines": len(record["invalid_lines"]),
+        "bytes_transferred": record["bytes_transferred"],
+        "transfers": record["transfers"],
+        "usage_timeline": [(s["t"], s["usage"]) for s in record["samples"]],
+    }

@@ -584,8 +584,127 @@ def f3_early_notification(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]
     }
 
 
+# The load scenario (issue 16): closed-loop clients against a producer whose KV pool is
+# bounded. LOAD_FULL_BLOCKS full blocks per prompt, shared by its n siblings through the
+# producer's prefix cache, plus a partial block per sibling.
+LOAD_FULL_BLOCKS = 4
+LOAD_SAMPLE_S = 1.0
+# What the lane's load test and benchmarks/bench_f2_load.py run: the seed's shape (n=8,
+# several clients), long enough for two leases (``NIXL_EXPIRY_S``).
+LOAD_ARGS = {"clients": 4, "n": 8, "seconds": 60}
+
+
+def load_pool_blocks(clients: int, n: int) -> int:
+    """The producer's KV pool in the load scenario: what the prompts in flight need
+    (each client has one prompt at a time: its shared full blocks and one partial block
+    per sibling) and a third more, so that fixed never waits for a block. Stock holds
+    every prompt it prefilled until the lease (``NIXL_EXPIRY_S``) runs out; once more
+    prompts than the pool holds are prefilled within one lease, stock's prefills queue
+    for blocks: the pool, not the cores, is what it runs out of (the record's
+    ``waiting`` samples show when)."""
+    in_flight = clients * (LOAD_FULL_BLOCKS + n)
+    return in_flight + in_flight // 3 + 1
+
+
+def nixl_load(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """The seed's headline symptom under sustained load: ``args["clients"]`` clients, each
+    in a closed loop (prefill a prompt with ``args["n"]`` siblings on the producer, decode
+    it on the decoder, next prompt), for ``args["seconds"]``; the producer's KV pool
+    bounded (``load_pool_blocks``). Every ``LOAD_SAMPLE_S`` the producer's KV usage and
+    waiting requests are sampled. After the window no client starts a new prompt; the
+    prompts in flight finish, then the producer is drained (every notification the
+    decoder sent read). Records each prompt's times, the samples, the producer's expired
+    and invalid-KV lines over the whole run, and the decoder's bytes READ."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    clients, n, seconds = args["clients"], args["n"], args["seconds"]
+    pool = load_pool_blocks(clients, n)
+    block_size_ = block_size()
+    tokens = LOAD_FULL_BLOCKS * block_size_ + block_size_ // 2
+    producer_probe = run_dir / "producer.probe.jsonl"
+    decoder_probe = run_dir / "decoder.probe.jsonl"
+    servers: list[Server] = []
+    try:
+        producer = nixl_server("producer", run_dir, 8100, 5600, core=0,
+                               connector="NixlConnector", num_gpu_blocks_override=pool,
+                               # vLLM refuses a length whose KV the pool cannot hold.
+                               max_model_len=min(512, (pool - 1) * block_size_))
+        servers.append(producer)
+        decoder = nixl_server("decoder", run_dir, 8200, 5601, core=1,
+                              connector="NixlConnector")
+        servers.append(decoder)
+        ready = {"producer_s": round(producer.wait_ready(), 1),
+                 "decoder_s": round(decoder.wait_ready(), 1)}
+        decode(decoder, prefill(producer, list(range(500, 500 + tokens)), 1))
+        drain(producer, producer_probe, decoder_notifications_sent(decoder_probe))
+        log_start = producer.log_path.stat().st_size
+        decoder_before = decoder.metrics()
+
+        t0 = time.monotonic()
+        deadline = t0 + seconds
+        running = threading.Event()
+        running.set()
+        samples: list[dict[str, float]] = []
+
+        def sample() -> None:
+            while running.is_set():
+                taken = producer.metrics()
+                samples.append({
+                    "t": round(time.monotonic() - t0, 2),
+                    "usage": metric(taken, "vllm:kv_cache_usage_perc"),
+                    "waiting": metric(taken, "vllm:num_requests_waiting"),
+                    "running": metric(taken, "vllm:num_requests_running")})
+                time.sleep(LOAD_SAMPLE_S)
+
+        def client(index: int) -> list[dict[str, Any]]:
+            flows = []
+            while time.monotonic() < deadline:
+                # Token ids within OPT's vocabulary; the first two make every prompt
+                # its own from the first block on (no prefix shared across prompts).
+                prompt = [10 + index, 100 + len(flows)] + list(range(1000, 998 + tokens))
+                flows.append({**decode(decoder, prefill(producer, prompt, n)),
+                              "client": index})
+            return flows
+
+        with ThreadPoolExecutor(clients + 1) as pool_:
+            sampler = pool_.submit(sample)
+            try:
+                flows = [flow for part in pool_.map(client, range(clients)) for flow in part]
+            finally:
+                t_done = time.monotonic()
+                sent = decoder_notifications_sent(decoder_probe)
+                drain(producer, producer_probe, sent)
+                t_drained = time.monotonic()
+                time.sleep(2 * LOAD_SAMPLE_S)
+                running.clear()
+            sampler.result()
+        after = producer.metrics()
+        decoder_after = decoder.metrics()
+    finally:
+        for server in servers:
+            server.stop()
+    return {
+        "ready": ready, "clients": clients, "n": n, "seconds": seconds,
+        "pool_blocks": pool, "block_size": block_size_, "prompt_tokens": tokens,
+        "expiry_s": NIXL_EXPIRY_S,
+        "flows": [{**flow, "t_start": flow["t_start"] - t0,
+                   "t_prefilled": flow["t_prefilled"] - t0,
+                   "t_decoded": flow["t_decoded"] - t0} for flow in flows],
+        "samples": samples, "t_done": round(t_done - t0, 2),
+        "t_drained": round(t_drained - t0, 2),
+        "usage_after": metric(after, "vllm:kv_cache_usage_perc"),
+        "expired_lines": log_lines(producer, log_start, "Releasing expired KV blocks"),
+        "invalid_lines": log_lines(producer, log_start, "Potentially invalid KV blocks"),
+        "bytes_transferred": metric(decoder_after, "vllm:nixl_bytes_transferred_sum")
+        - metric(decoder_before, "vllm:nixl_bytes_transferred_sum"),
+        "transfers": metric(decoder_after, "vllm:nixl_bytes_transferred_count")
+        - metric(decoder_before, "vllm:nixl_bytes_transferred_count"),
+    }
+
+
 SCENARIOS = {"served": served, "f1_cross_group": f1_cross_group, "nixl_pair": nixl_pair,
-             "f3_early_notification": f3_early_notification}
+             "f3_early_notification": f3_early_notification, "nixl_load": nixl_load}
 
 
 def main() -> int:

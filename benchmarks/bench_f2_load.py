@@ -1,0 +1,154 @@
+"""F2 under sustained load in a real NIXL prefill/decode pair: stock and fixed in one run.
+
+The real-engine lane's load scenario (``tests/e2e/scenarios.py``, ``nixl_load``,
+``LOAD_ARGS``): closed-loop clients, each prefilling a prompt with n siblings on a
+producer whose KV pool is bounded (``load_pool_blocks``, chosen so that stock runs out
+of pool before the cores) and decoding it on the decoder, then the next prompt. Reports
+per mode: prompts per minute, latency (prefill start to the last child decoded) p50/p90,
+the producer's KV usage over the window (peak, mean) and after the drain, samples where
+prefills waited on a full pool, "Releasing expired KV blocks" and "Potentially invalid KV
+blocks" lines, and bytes the decoder READ. With ``--png`` it also plots KV usage over time,
+stock against fixed (needs matplotlib: ``pip install -e '.[bench]'``).
+
+Usage:
+  .venv/bin/python benchmarks/bench_f2_load.py [--release v0.32.0] [--json F] [--png F]
+      runs the scenario stock, then fixed, in the engine lane's venv (needs root, as
+      that lane does);
+  .venv/bin/python benchmarks/bench_f2_load.py --from-lane [--release v0.32.0] [--png F]
+      renders the records the real-engine lane's load test left in the build dir
+      (what README's table comes from: a clean clone's CI run), runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "tests" / "e2e"), str(REPO / "tools"), str(REPO)]
+MODES = ("stock", "fixed")
+# The lane's load test runs under this label (tests/e2e/test_f2_load.py).
+LANE_LABEL = "f2-load"
+
+
+def measure() -> dict:
+    """In the engine venv: the scenario stock, then fixed; their records."""
+    import harness
+    import scenarios
+
+    return {mode: harness.run_scenario("nixl_load", mode, scenarios.LOAD_ARGS,
+                                       label="bench-f2-load") for mode in MODES}
+
+
+def lane_records(out: Path) -> dict:
+    """The newest record of each mode the lane's load test wrote under ``out``."""
+    records = {}
+    for mode in MODES:
+        found = sorted((out / LANE_LABEL / mode).glob("attempt-*/record.json"),
+                       key=lambda path: path.stat().st_mtime)
+        if not found:
+            raise SystemExit(f"no {mode} record of the load test under {out / LANE_LABEL}; "
+                             f"run the real-engine lane first")
+        records[mode] = json.loads(found[-1].read_text()) | {"run_dir": str(found[-1].parent)}
+    return records
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f} %"
+
+
+ROWS = [
+    ("clients x n, window", lambda r: f"{r['clients']} x {r['n']}, {r['seconds']} s"),
+    ("producer pool (blocks), prompt (tokens)",
+     lambda r: f"{r['pool_blocks']}, {r['prompt_tokens']}"),
+    ("prompts finished (per minute)", lambda r: f"{r['prompts']} ({r['prompts_per_min']})"),
+    ("latency p50 / p90 (s)",
+     lambda r: f"{r['latency_p50_s']:.1f} / {r['latency_p90_s']:.1f}"),
+    ("producer KV usage: peak / mean / after the drain",
+     lambda r: " / ".join(map(_percent, (r["usage_peak"], r["usage_mean"], r["usage_after"])))),
+    ("samples with prefills waiting on a full pool",
+     lambda r: f"{r['pool_bound_samples']} of {r['samples']}"),
+    ('"Releasing expired KV blocks" lines', lambda r: r["expired_lines"]),
+    ('"Potentially invalid KV blocks" lines', lambda r: r["invalid_kv_lines"]),
+    ("bytes READ by the decoder (READs)",
+     lambda r: f"{r['bytes_transferred'] / 2**20:.1f} MiB ({r['transfers']:.0f})"),
+]
+
+
+def table(summaries: dict) -> str:
+    lines = ["| | stock | fixed |", "|---|---:|---:|"]
+    for title, cell in ROWS:
+        lines.append(f"| {title} | {cell(summaries['stock'])} | {cell(summaries['fixed'])} |")
+    return "\n".join(lines)
+
+
+def plot(summaries: dict, release: str, png: Path) -> None:
+    """KV usage of the producer over time, stock against fixed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(8, 3.6), dpi=100)
+    for mode, colour in zip(MODES, ("tab:red", "tab:blue")):
+        timeline = summaries[mode]["usage_timeline"]
+        axes.plot([t for t, _ in timeline], [100 * u for _, u in timeline], color=colour,
+                  label=f"{mode} ({summaries[mode]['expired_lines']} expired, "
+                        f"{summaries[mode]['invalid_kv_lines']} invalid-KV lines)")
+    axes.axvline(summaries["stock"]["seconds"], color="grey", linestyle=":", linewidth=1)
+    axes.set_xlabel("seconds since the load started (dotted: no new prompts after)")
+    axes.set_ylabel("producer KV usage (%)")
+    axes.set_ylim(0, 105)
+    first = summaries["stock"]
+    axes.set_title(f"vLLM v{release}, NIXL P/D pair: {first['clients']} clients, "
+                   f"n={first['n']}, pool {first['pool_blocks']} blocks", fontsize=10)
+    axes.legend(loc="upper right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(png)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--release", default="v0.32.0")
+    parser.add_argument("--from-lane", action="store_true",
+                        help="render the real-engine lane's records; run nothing")
+    parser.add_argument("--json", help="also write the summaries here")
+    parser.add_argument("--png", help="plot KV usage over time here (needs matplotlib)")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:  # the child, in the engine venv
+        print(json.dumps(measure()))
+        return 0
+    import analysis
+    import engine_lane
+
+    from vllm_patches import _releases
+
+    release = _releases.parse_release(args.release)
+    if args.from_lane:
+        records = lane_records(Path(engine_lane.engine_env(release)["VLLM_PATCHES_E2E_OUT"]))
+    else:
+        python = engine_lane.ensure_engine_venv(release)
+        proc = subprocess.run([str(python), "-P", __file__, "--measure"], check=False,
+                              cwd=REPO, env=engine_lane.engine_env(release),
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+            return 1
+        records = json.loads(proc.stdout.strip().splitlines()[-1])
+    summaries = {mode: analysis.load_summary(records[mode]) for mode in MODES}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summaries, indent=1))
+    print(f"vLLM v{release}; records: " + ", ".join(records[m]["run_dir"] for m in MODES))
+    print(table(summaries))
+    if args.png:
+        plot(summaries, str(release), Path(args.png))
+        print(f"plot: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
