@@ -60,7 +60,8 @@ class EngineSettings:
     # load its image library with an OSError, which vLLM's import guard does not catch
     # (the API server dies at import); nothing here needs audio or video decoding.
     excluded: tuple[str, ...] = ()
-    # The e2e tests that apply to the release (all of tests/e2e when empty).
+    # The e2e test files that apply to the release (tests/tool/test_engine_settings.py:
+    # every file runs on some release of the lane).
     tests: tuple[str, ...] = ()
     # The connectors the NIXL pair runs with, each stock and fixed.
     pair_connectors: tuple[str, ...] = ("NixlConnector",)
@@ -74,13 +75,19 @@ class EngineSettings:
 # Every per-release difference, by the first release it applies to; a release takes the
 # entry of the newest first release not after it (``engine_settings``).
 ENGINE_SETTINGS = {
-    Version("0.18.0"): EngineSettings(),
+    # Every test but the load scenario's, which takes minutes per mode and exercises
+    # the lease-based release of the newer layout.
+    Version("0.18.0"): EngineSettings(tests=(
+        "tests/e2e/test_f1_cross_group.py", "tests/e2e/test_f2_f3_nixl_pair.py",
+        "tests/e2e/test_f3_early_notification.py", "tests/e2e/test_runtime_plugin_line.py")),
     # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
-    # pair, plainly and through MultiConnector; its engines' processes show the plugin
-    # line. F1 is upstream from v0.24 (and its scenario's layout assumes 16-token
-    # blocks); F3's worker-level race is proven by the v0.21.0 lane and the fix tests.
+    # pair, plainly and through MultiConnector, and the load scenario; its engines'
+    # processes show the plugin line. F1 is upstream from v0.24 (and its scenario's
+    # layout assumes 16-token blocks); F3's worker-level race is proven by the v0.21.0
+    # lane and the fix tests.
     Version("0.30.0"): EngineSettings(block_size=32, excluded=("torchcodec",),
-                                      tests=("tests/e2e/test_f2_f3_nixl_pair.py",),
+                                      tests=("tests/e2e/test_f2_f3_nixl_pair.py",
+                                             "tests/e2e/test_f2_load.py"),
                                       pair_connectors=("NixlConnector", "MultiConnector"),
                                       quiet_roles=("API server",)),
 }
@@ -184,7 +191,7 @@ def run_engine_tests(release: Version, pytest_args: list[str]) -> int:
     # installed package, as a user's vLLM does.
     args = [str(python), "-P", "-m", "pytest", "-p", "no:cacheprovider", "-m", "engine",
             "-o", "addopts=", f"--report-log={report}", "-v", "-rxXs", "--durations=0",
-            *(engine_settings(release).tests or ["tests/e2e"]), *pytest_args]
+            *engine_settings(release).tests, *pytest_args]
     started = time.monotonic()
     code = subprocess.run(args, check=False, cwd=lanes.REPO, env=env).returncode
     lanes.log(f"engine v{release}: pytest exit {code} ({time.monotonic() - started:.0f} s)")

@@ -12,8 +12,8 @@ with F2 its registered siblings' too), and the producer's pool back to empty aft
 drain. The figures (throughput, latency, KV usage over time) are
 ``benchmarks/bench_f2_load.py``'s, which renders them from this test's records.
 
-It runs on the newest engine release only (``LOAD_RELEASES``): the scenario takes
-minutes per mode, and the lease-based release it exercises is that layout's.
+The lane runs it on the newest layout only (``tools/engine_lane.py``, ``ENGINE_SETTINGS``):
+it takes minutes per mode, and the lease-based release it exercises is that layout's.
 """
 
 from __future__ import annotations
@@ -23,15 +23,9 @@ import functools
 import analysis
 import pytest
 import scenarios
-from harness import bug_expected, release, run_scenario
+from harness import bug_expected, run_scenario
 
-LOAD_RELEASES = {"0.32.0"}
-
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.skipif(release() not in LOAD_RELEASES,
-                       reason="the load scenario runs on the newest engine release only"),
-]
+pytestmark = pytest.mark.engine
 
 MODES = ["stock", "fixed"]
 
