@@ -105,7 +105,7 @@ def plot(summaries: dict, release: str, png: Path) -> None:
     first = summaries["stock"]
     axes.set_title(f"vLLM v{release}, NIXL P/D pair: {first['clients']} clients, "
                    f"n={first['n']}, pool {first['pool_blocks']} blocks", fontsize=10)
-    axes.legend(loc="upper right", fontsize=8)
+    axes.legend(loc="center right", fontsize=8)
     figure.tight_layout()
     figure.savefig(png)
 
