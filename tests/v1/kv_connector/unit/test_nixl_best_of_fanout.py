@@ -237,7 +237,7 @@ def heartbeat_for(producer, req_id: str, times: int) -> set[str]:
 
 
 def test_heartbeats_for_the_read_sibling_keep_its_siblings(make_producer):
-    """vllm PR 43509 thread, under load (4 clients, n=8, v0.32 engines): the
+    """Seen in the vllm PR 43509 thread under load (4 clients, n=8, v0.32): the
     decoder queues the request and heartbeats the sibling it was told about,
     whose lease it renews; the other siblings' leases ran out meanwhile and their
     blocks were freed ("Releasing expired KV blocks ... retrieved by 0 remote
