@@ -19,6 +19,10 @@ point (the first design of this fix) freed the whole prompt's blocks under
 those READs. The read sibling must be held until every child's notifications
 are in, and its siblings released with it.
 
+From v0.22 the producer releases by lease, and a decoder's heartbeats renew
+the lease of the sibling it reads only: the other siblings must not expire
+before it while it is still being read (heartbeats arriving, reads pending).
+
 Also checks that nothing else is released early: ids a client chose,
 siblings still being scheduled, and everything once the
 ``release_best_of_siblings`` switch is off.
@@ -214,3 +218,82 @@ def test_pulled_parents_are_forgotten_oldest_first(make_producer):
     assert producer.held() == {late[0]}
     producer.advance(2 * TTL)
     assert producer.finished_sending() == {late[0]}
+
+
+# ---------------------------------------------------------------------------
+# Leases (v0.22+): the decoder heartbeats the advertised sibling only.
+# ---------------------------------------------------------------------------
+
+
+def heartbeat_for(producer, req_id: str, times: int) -> set[str]:
+    """Heartbeat ``req_id`` every half lease, ``times`` times, as a decoder
+    queueing its request does; return what the producer released meanwhile."""
+    released: set[str] = set()
+    for _ in range(times):
+        producer.advance(producer.lease_extension / 2)
+        producer.heartbeat(req_id)
+        released |= producer.finished_sending()
+    return released
+
+
+def test_heartbeats_for_the_read_sibling_keep_its_siblings(make_producer):
+    """Seen in the vllm PR 43509 thread under load (4 clients, n=8, v0.32): the
+    decoder queues the request and heartbeats the sibling it was told about,
+    whose lease it renews; the other siblings' leases ran out meanwhile and their
+    blocks were freed ("Releasing expired KV blocks ... retrieved by 0 remote
+    worker(s) before lease expired"). While the advertised sibling's lease is
+    renewed and its reads are pending, no sibling may expire; all go with its
+    last read. Releases without leases (up to v0.21) keep every sibling until
+    that read too."""
+    producer = make_producer()
+    children = siblings(4)
+    if producer.has_heartbeats:
+        producer.register(*children, ttl=producer.lease_extension + 10)
+        assert heartbeat_for(producer, children[-1], times=6) == set()
+    else:
+        producer.register(*children)
+    assert producer.held() == set(children)
+    # Three of the four decode children read it; the last one still queues.
+    producer.notify(children[-1], times=3)
+    assert producer.finished_sending() == set()
+    if producer.has_heartbeats:
+        assert heartbeat_for(producer, children[-1], times=6) == set()
+    assert producer.held() == set(children)
+    producer.notify(children[-1])
+    assert producer.finished_sending() == set(children)
+    assert producer.held() == set()
+
+
+def test_siblings_expire_once_the_decoder_stops_heartbeating(make_producer):
+    """Renewal never holds siblings longer than the advertised sibling's lease:
+    a decoder that stops heartbeating leaks nothing."""
+    producer = make_producer()
+    if not producer.has_heartbeats:
+        pytest.skip("lease heartbeats exist from v0.22")
+    children = siblings(4)
+    producer.register(*children, ttl=producer.lease_extension + 10)
+    released = heartbeat_for(producer, children[-1], times=4)
+    producer.advance(producer.lease_extension + 1)
+    released |= producer.finished_sending()
+    assert released == set(children)
+    assert producer.held() == set()
+
+
+def test_heartbeats_never_renew_an_aborted_sibling(make_producer):
+    producer = make_producer()
+    if not producer.has_heartbeats:
+        pytest.skip("lease heartbeats exist from v0.22")
+    children = siblings(4)
+    producer.step(in_batch=children)
+    producer.step(
+        to_send=children[1:],
+        not_processed=[children[0]],
+        ttl=producer.lease_extension + 10,
+    )
+    released = heartbeat_for(producer, children[-1], times=4)
+    producer.heartbeat(children[0], children[-1])
+    released |= producer.finished_sending()
+    producer.advance(2 * producer.lease_extension)
+    released |= producer.finished_sending()
+    assert released == set(children[1:])
+    assert producer.held() == set()

@@ -371,6 +371,11 @@ class BestOfSiblings:
             i += 1
         return parent, found
 
+    def others(self, req_id: str, registered: Collection[str]) -> list[str]:
+        """The siblings of ``req_id`` among ``registered``, itself left out."""
+        found = self._siblings(req_id, registered)
+        return found[1][0] if found else []
+
     def reads(
         self,
         req_id: str,
@@ -389,8 +394,7 @@ class BestOfSiblings:
         """
         held = self._reads_to_hold.get(req_id)
         if held is None:
-            found = self._siblings(req_id, registered)
-            held = len(found[1][0]) * per_reader if found else 0
+            held = len(self.others(req_id, registered)) * per_reader
             if len(self._reads_to_hold) >= self.limit:
                 del self._reads_to_hold[next(iter(self._reads_to_hold))]
         holding = min(held, notifications)

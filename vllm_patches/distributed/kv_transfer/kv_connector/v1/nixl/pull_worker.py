@@ -20,7 +20,13 @@ between layouts.
 
 from __future__ import annotations
 
-from vllm_patches._overlay import amend, call_at_end_of, filter_call_in, filter_result_of
+from vllm_patches._overlay import (
+    amend,
+    call_at_end_of,
+    filter_call_in,
+    filter_result_of,
+    redirect_call_in,
+)
 
 
 @amend("F2", ">=0.24.0,<0.29.0")
@@ -133,6 +139,40 @@ class NixlPullConnectorWorker:
         if self._released_at_registration:
             notified_req_ids |= self._pop_released_at_registration()
         return notified_req_ids
+
+
+@amend("F2", ">=0.24.0")
+@amend("F2", ">=0.22.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+class NixlPullConnectorWorker:
+    """F2: siblings share the advertised sibling's lease (v0.22+, lease heartbeats)."""
+
+    @redirect_call_in("_get_new_notifs", "self._handle_heartbeat")
+    def _heartbeat_with_siblings(self, payload: str) -> None:
+        """Renew the leases a decoder's heartbeat names, and with each renewed
+        parallel-sampling sibling the siblings registered with it.
+
+        The decoder heartbeats the one sibling it was told about (the last to
+        finish), while it waits to read it; the other siblings share its KV and
+        are released with it once every decode child read it (BestOfSiblings).
+        Their own leases must not run out first: that frees their blocks while
+        the decoder, queueing under load, still heartbeats the advertised one
+        (one "Releasing expired KV blocks" line per such sibling, seen with 4
+        clients and n=8 on v0.32 real engines). So a sibling's lease ends no
+        earlier than the advertised sibling's: leases are only ever extended,
+        and a decoder that stops heartbeating lets all of them expire together.
+        """
+        self._handle_heartbeat(payload)
+        siblings = getattr(self, "_best_of_siblings", None)
+        if siblings is None or not siblings.enabled or "_" not in payload:
+            return
+        leases = self._reqs_to_send
+        for req_id in payload.split(","):
+            expiry = leases.get(req_id) if "_" in req_id else None
+            if expiry is None:
+                continue
+            for sibling in siblings.others(req_id, leases):
+                if leases[sibling] < expiry:
+                    leases[sibling] = expiry
 
 
 @amend("F3", ">=0.24.0")
