@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "e2e"), str(REPO / "tools"), str(REPO)]
+sys.path.insert(0, str(REPO / "tests" / "e2e"))  # the harness, its scenarios and analysis
 MODES = ("stock", "fixed")
 # The lane's load test runs under this label (tests/e2e/test_f2_load.py).
 LANE_LABEL = "f2-load"
@@ -122,6 +121,9 @@ def main() -> int:
     if args.measure:  # the child, in the engine venv
         print(json.dumps(measure()))
         return 0
+    # The tool's venv: the lane's modules and this package from the repository (the
+    # ``--measure`` child uses the engine venv's installed package, as the lane does).
+    sys.path[:0] = [str(REPO / "tools"), str(REPO)]
     import analysis
     import engine_lane
 
@@ -131,14 +133,7 @@ def main() -> int:
     if args.from_lane:
         records = lane_records(Path(engine_lane.engine_env(release)["VLLM_PATCHES_E2E_OUT"]))
     else:
-        python = engine_lane.ensure_engine_venv(release)
-        proc = subprocess.run([str(python), "-P", __file__, "--measure"], check=False,
-                              cwd=REPO, env=engine_lane.engine_env(release),
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-            return 1
-        records = json.loads(proc.stdout.strip().splitlines()[-1])
+        records = engine_lane.measure_in_engine_venv(release, Path(__file__))
     summaries = {mode: analysis.load_summary(records[mode]) for mode in MODES}
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -100,13 +99,7 @@ def main() -> int:
     from vllm_patches import _releases
 
     release = _releases.parse_release(args.release)
-    python = engine_lane.ensure_engine_venv(release)
-    proc = subprocess.run([str(python), "-P", __file__, "--measure"], check=False, cwd=REPO,
-                          env=engine_lane.engine_env(release), capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-        return 1
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = engine_lane.measure_in_engine_venv(release, Path(__file__))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(f"vLLM v{release}, {engine_lane.lanes.BUILD}")

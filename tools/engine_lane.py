@@ -183,6 +183,20 @@ def engine_env(release: Version) -> dict[str, str]:
     }
 
 
+def measure_in_engine_venv(release: Version, script: Path) -> dict:
+    """Run ``script --measure`` with ``release``'s engine venv and the e2e harness's
+    environment (a benchmark's engines, as the lane's tests run them); the JSON object it
+    printed last. SystemExit with the end of its output when it failed."""
+    python = ensure_engine_venv(release)
+    proc = subprocess.run([str(python), "-P", str(script), "--measure"], check=False,
+                          cwd=lanes.REPO, env=engine_env(release), capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+        raise SystemExit(f"{script.name} --measure exited {proc.returncode} on v{release}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_engine_tests(release: Version, pytest_args: list[str]) -> int:
     python = ensure_engine_venv(release)
     env = engine_env(release)
