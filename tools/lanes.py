@@ -41,7 +41,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from venvs import uv_pip_install
+from venvs import UV_INSTALL_FLAGS, uv_pip_install
 
 from vllm_patches import _git, _releases, _series
 
@@ -97,8 +97,9 @@ def ensure_venv(release: Version, tree: Path) -> Path:
 def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str) -> Path:
     """The python of a venv at ``venv`` made by ``installs`` (``uv pip install``
     arguments, in order); made again only when ``wanted`` (what they install) changes: a
-    stamp of it sits in the venv. A rebuild downloads nothing uv's cache holds."""
-    stamp = hashlib.sha256(wanted.encode()).hexdigest()
+    stamp of it sits in the venv, with how uv installs (``UV_INSTALL_FLAGS``). A
+    rebuild downloads nothing uv's cache holds."""
+    stamp = hashlib.sha256((wanted + json.dumps(UV_INSTALL_FLAGS)).encode()).hexdigest()
     python = venv / "bin" / "python"
     stamp_file = venv / ".requirements-sha256"
     if stamp_file.is_file() and stamp_file.read_text() == stamp:
