@@ -60,7 +60,7 @@ def test_status_and_apply_of_a_release_run_few_git_commands(checkout, monkeypatc
     assert main(["apply", str(checkout)]) == EXIT_OK
     assert [c[0] for c in calls] == ["rev-parse", "rev-parse", "ls-tree", "status", "config",
                                      "am"]
-    assert "done: F1, F2, F3, F4" in capsys.readouterr().out
+    assert "done: F1, F2, F3, F4, F5" in capsys.readouterr().out
 
 
 def closed_pipe_run(*argv: str, read_lines: int) -> tuple[int, str]:

@@ -150,4 +150,4 @@ def test_generating_patches_writes_nothing_into_the_cache(cache):
 def test_a_users_clone_of_the_cache_is_theirs(cache, tmp_path, capsys):
     mine = clone(cache, tmp_path / "mine")
     code, out, _ = run(capsys, "apply", str(mine))
-    assert code == EXIT_OK and "done: F1, F2, F3, F4" in out
+    assert code == EXIT_OK and "done: F1, F2, F3, F4, F5" in out

@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Overlay of ``vllm/distributed/kv_transfer/kv_connector/utils.py``.
+
+- F5: ``PromptReads``, which of a decoder's requests reads a remote prompt's KV
+  when several carry the same prefill's ``kv_transfer_params`` (the children of a
+  parallel-sampling request). The NIXL connector's scheduler side asks it
+  (``nixl/connector.py`` overlay). It lives here, not in the connector module:
+  nothing in it is NIXL's, and on v0.18 - v0.19 the connector module also takes
+  F2's and F3's additions, which a fix exported alone must not depend on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_patches._overlay import add
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@add("F5", ">=0.18.0")
+class _PromptRead:
+    """One remote prompt on the decoder: the request that reads it, and every
+    request with its kv_transfer_params that asked the connector so far."""
+
+    def __init__(self, reader: "Request") -> None:
+        self.reader = reader
+        self.members: set[str] = set()
+
+
+@add("F5", ">=0.18.0")
+class PromptReads:
+    """Which of the decoder's requests reads a remote prompt's KV.
+
+    A decode engine splits an ``n > 1`` request into ``n`` children, each with its
+    own copy of the prefill's kv_transfer_params, so each child would READ the
+    same remote blocks (seen in a real v0.21.0 pair: 12 READs, 22.5 MiB for two
+    prompts with n = 4 and 8, where one READ per prompt moves 3.75 MiB). A remote
+    prompt is named by (remote_engine_id, remote_request_id).
+
+    Invariants:
+
+    - At most one request at a time is a prompt's reader; the connector answers
+      for it as upstream does (it READs whatever its local prefix hit lacks).
+    - Another request with the same prompt waits ("not ready yet", ``None``, which
+      the scheduler of every release v0.18+ skips for a step) only while the
+      reader is alive and its KV is not loaded yet; it never waits on a reader
+      that finished, was aborted or preempted.
+    - Once the reader's KV is in the local prefix cache (the scheduler caches it
+      when the load completes, or when a failed load is recomputed), a request
+      whose local hit leaves at most one block of its prompt computes that rest
+      itself (answer 0 tokens): the connector then sends the producer the
+      notification of a full local prefix hit, so the producer's count of reads
+      completes as with ``n`` READs (stock, or releasing siblings as PR 43509
+      does). A request whose hit is shorter (evicted, failed load, no prefix
+      caching) becomes the reader and READs itself: never worse than upstream.
+    - State lives from a prompt's first request until its last one finished
+      (``finished``): nothing outlives the requests that use it.
+    """
+
+    def __init__(self, enabled: bool, block_size: int) -> None:
+        self.enabled = enabled
+        self.block_size = block_size
+        self._reads: dict[tuple[str, str], _PromptRead] = {}
+        self._prompt_of: dict[str, tuple[str, str]] = {}
+
+    @staticmethod
+    def prompt(request: "Request") -> tuple[str, str] | None:
+        """The remote prompt ``request`` is still to pull, or None."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        if not params.get("remote_block_ids"):
+            return None
+        engine_id = params.get("remote_engine_id")
+        remote_id = params.get("remote_request_id")
+        if engine_id is None or remote_id is None:
+            return None
+        return str(engine_id), str(remote_id)
+
+    def local_answer(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool] | None:
+        """What the connector answers for ``request`` instead of reading: ``(None,
+        False)`` while another request reads its prompt, ``(0, False)`` once that
+        read is in the local prefix cache; None when ``request`` reads (upstream's
+        answer)."""
+        prompt = self.prompt(request) if self.enabled else None
+        if prompt is None:
+            return None
+        read = self._reads.get(prompt)
+        if read is None:
+            read = self._reads[prompt] = _PromptRead(reader=request)
+        read.members.add(request.request_id)
+        self._prompt_of[request.request_id] = prompt
+        if read.reader is request:
+            return None
+        if self._loading(read.reader):
+            return None, False
+        if request.num_prompt_tokens - num_computed_tokens <= self.block_size:
+            return 0, False
+        # The reader's KV is not (or no longer) in the local prefix cache.
+        read.reader = request
+        return None
+
+    @staticmethod
+    def _loading(reader: "Request") -> bool:
+        """Whether ``reader``'s remote KV is still to arrive: scheduled to load
+        (WAITING_FOR_REMOTE_KVS) or not scheduled yet. A preempted reader, or one
+        that finished or was aborted, is not loading."""
+        from vllm.v1.request import RequestStatus
+
+        if reader.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return True
+        return (
+            reader.status == RequestStatus.WAITING and reader.num_computed_tokens == 0
+        )
+
+    def finished(self, request: "Request") -> None:
+        """``request`` left the scheduler: forget its prompt once no request uses it."""
+        prompt = self._prompt_of.pop(request.request_id, None)
+        if prompt is None:
+            return
+        read = self._reads[prompt]
+        read.members.discard(request.request_id)
+        if not read.members:
+            del self._reads[prompt]

@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py``.
+
+NIXL consumer (decode) scheduler side, pull mode:
+
+- F5: the children of a parallel-sampling request (``n > 1``) each carry the
+  prefill's ``kv_transfer_params`` and each READ the same remote blocks: ``n``
+  transfers of one prompt. One child reads; the others wait for that read, take
+  the prompt from the decoder's prefix cache and notify the producer as a full
+  local prefix hit does (``PromptReads``, added to ``kv_connector/utils.py``).
+
+v0.20 - v0.23: ``NixlConnector`` here; from v0.24 the scheduler-side methods live
+in ``NixlBaseConnector`` and the pull connector is ``NixlPullConnector``; up to
+v0.19 all of it is ``NixlConnector`` in ``nixl_connector.py`` (``into=``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm_patches._overlay import amend, call_at_end_of, redirect_call_in
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+
+@amend("F5", ">=0.24.0")
+@amend("F5", ">=0.20.0,<0.24.0", name="NixlConnector")
+@amend("F5", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnector")
+class NixlBaseConnector:
+    """F5: the scheduler-side calls go through PromptReads."""
+
+    # Set by the pull connector's scheduler role; push connectors (v0.24+) and
+    # worker roles read nothing here.
+    _prompt_reads: "PromptReads | None" = None
+
+    @redirect_call_in(
+        "get_num_new_matched_tokens",
+        "self.connector_scheduler.get_num_new_matched_tokens",
+    )
+    def _num_new_matched_tokens_reading_prompt_once(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Upstream's answer, unless another request reads the same remote prompt
+        (PromptReads.local_answer)."""
+        reads = self._prompt_reads
+        answer = reads.local_answer(request, num_computed_tokens) if reads else None
+        if answer is not None:
+            return answer
+        return self.connector_scheduler.get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+
+    @redirect_call_in("request_finished", "self.connector_scheduler.request_finished")
+    def _finish_remote_prompt(
+        self, request: "Request", block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Upstream's request_finished, after PromptReads forgot the request."""
+        if self._prompt_reads is not None:
+            self._prompt_reads.finished(request)
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    @redirect_call_in(
+        "request_finished_all_groups", "self.connector_scheduler.request_finished"
+    )
+    def _finish_remote_prompt_all_groups(
+        self, request: "Request", block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The same for hybrid models (one block list per KV cache group)."""
+        return self._finish_remote_prompt(request, block_ids)
+
+
+@amend("F5", ">=0.24.0")
+@amend("F5", ">=0.20.0,<0.24.0", name="NixlConnector")
+@amend("F5", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnector")
+class NixlPullConnector:
+    """F5: the pull connector's scheduler role decides who reads a prompt."""
+
+    @call_at_end_of("__init__")
+    def _init_prompt_reads(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole
+    ) -> None:
+        """One reader per remote prompt, unless switched off
+        (kv_connector_extra_config["read_prompt_once"]) or the decoder has no
+        prefix cache to serve the other requests from."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import PromptReads
+
+        if role != KVConnectorRole.SCHEDULER:
+            return
+        cache_config = vllm_config.cache_config
+        switched_on = vllm_config.kv_transfer_config.get_from_extra_config(
+            "read_prompt_once", True
+        )
+        self._prompt_reads = PromptReads(
+            enabled=bool(switched_on and cache_config.enable_prefix_caching),
+            block_size=cache_config.block_size,
+        )
