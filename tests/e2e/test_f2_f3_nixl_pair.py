@@ -217,3 +217,33 @@ def test_no_block_freed_while_a_read_is_outstanding(mode: str, connector: str) -
     else:
         assert not violations, \
             f"{len(violations)} block(s) freed while a READ was outstanding: {violations[:5]}"
+
+
+@RUNS
+def test_one_read_per_prompt(mode: str, connector: str) -> None:
+    """F5: the decoder's n children of a prompt READ its blocks in full once; the
+    others send the producer the bare notification of a full local prefix hit. Stock
+    READs once per child, n READs of the same blocks.
+
+    A later READ of a prompt under F5 is the fallback for blocks the decoder's prefix
+    cache lost before a child was admitted (this decoder is kept small so it admits the
+    children in waves; v0.32.0 through MultiConnector: the n = 8 reader finished, the
+    n = 4 prompt's children took two of its cached blocks, and one n = 8 child read
+    those two again): it moves fewer blocks than the first, never the whole prompt."""
+    run = burst(mode, connector)
+    run.check_reached()
+    total = 0
+    for flow in run.flows:
+        remote, n = flow["remote_request_id"], flow["n"]
+        sent = run.reads[remote]
+        reads = [event for event in sent if event["event"] == "read"]
+        total += len(reads)
+        assert len(sent) == n, f"{remote}: {len(sent)} READs and notifications for n={n}"
+        if bug_expected("F5", mode):
+            assert len(reads) == n, f"{remote}: stock READ n={n} children {len(reads)} times"
+            continue
+        assert len(reads) < n, f"{remote}: every child of n={n} READ the prompt"
+        first, *later = (event["descs"] for event in reads)
+        assert all(descs < first for descs in later), \
+            f"{remote}: READ in full more than once ({[e['descs'] for e in reads]})"
+    assert run.record["transfers"] == total, run.record["transfers"]
