@@ -59,6 +59,16 @@ def make_children(n: int, block_size: int, first_id: int = 1) -> list:
     return children
 
 
+def queued_children(vllm_config, n: int) -> tuple:
+    """A scheduler on ``vllm_config`` with ``n`` children of one remote prompt
+    waiting in it."""
+    scheduler = create_scheduler(vllm_config)
+    children = make_children(n, vllm_config.cache_config.block_size)
+    for child in children:
+        scheduler.add_request(child)
+    return scheduler, children
+
+
 def block_count(block_ids) -> int:
     """How many blocks a connector metadata entry names (flat list or per group)."""
     return sum(len(g) if isinstance(g, (list, tuple)) else 1 for g in block_ids)
@@ -138,11 +148,7 @@ def test_children_of_one_prompt_read_it_once(n, through):
     vllm_config = create_vllm_config()
     if through == "MultiConnector":
         multi_connector(vllm_config)
-    scheduler = create_scheduler(vllm_config)
-    block_size = vllm_config.cache_config.block_size
-    children = make_children(n, block_size)
-    for child in children:
-        scheduler.add_request(child)
+    scheduler, children = queued_children(vllm_config, n)
 
     pulls = Pulls()
     pulls.run(scheduler, children)
@@ -165,10 +171,7 @@ def test_others_wait_only_while_the_reader_loads():
     """While the reader's READ is in flight the others are neither scheduled nor
     reading; in the step after its KV arrived they all run."""
     vllm_config = create_vllm_config()
-    scheduler = create_scheduler(vllm_config)
-    children = make_children(4, vllm_config.cache_config.block_size)
-    for child in children:
-        scheduler.add_request(child)
+    scheduler, children = queued_children(vllm_config, 4)
 
     pulls = Pulls()
     started = pulls.step(scheduler, children)
@@ -186,10 +189,7 @@ def test_aborted_reader_hands_the_read_to_another_child():
     """The reader is aborted while its READ is in flight: another child reads, and
     nobody waits on the aborted one."""
     vllm_config = create_vllm_config()
-    scheduler = create_scheduler(vllm_config)
-    children = make_children(4, vllm_config.cache_config.block_size)
-    for child in children:
-        scheduler.add_request(child)
+    scheduler, children = queued_children(vllm_config, 4)
 
     pulls = Pulls()
     started = pulls.step(scheduler, children)
@@ -208,10 +208,7 @@ def test_failed_read_does_not_strand_the_others():
     recomputes its prompt, and the others still get theirs, from the prefix cache or
     by reading it themselves; none is left waiting."""
     vllm_config = create_vllm_config(kv_load_failure_policy="recompute")
-    scheduler = create_scheduler(vllm_config)
-    children = make_children(4, vllm_config.cache_config.block_size)
-    for child in children:
-        scheduler.add_request(child)
+    scheduler, children = queued_children(vllm_config, 4)
 
     pulls = Pulls()
     pulls.run(scheduler, children, steps=10, failed={c.request_id for c in children})
@@ -228,10 +225,7 @@ def test_every_child_reads_without_a_prefix_cache_to_share(why):
     else:
         vllm_config = create_vllm_config()
         vllm_config.cache_config.enable_prefix_caching = False
-    scheduler = create_scheduler(vllm_config)
-    children = make_children(4, vllm_config.cache_config.block_size)
-    for child in children:
-        scheduler.add_request(child)
+    scheduler, children = queued_children(vllm_config, 4)
 
     pulls = Pulls()
     pulls.run(scheduler, children)
