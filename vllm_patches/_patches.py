@@ -75,7 +75,8 @@ def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -
         upstream = _git.file_at(tree, base, upstream_path)
         if upstream is None:
             raise UserError(f"v{release} has no {upstream_path} (overlay {overlay})")
-        spliced = splice(upstream, definitions, parsed.imports, parsed.path)
+        spliced = splice(upstream, definitions, parsed.imports, parsed.path,
+                         parsed.type_imports)
         sources[upstream_path] = sort_imports(tree, upstream_path, spliced)
     return sources
 

@@ -2,7 +2,8 @@
 
 Everything the overlay does not name stays byte-identical: only the named top-level
 definitions and class members are replaced or inserted, and only the imports the
-spliced code uses and upstream lacks are added.
+spliced code uses and upstream lacks are added (those of the overlay's ``if
+TYPE_CHECKING:`` block, names of annotations only, to upstream's own such block).
 """
 
 from __future__ import annotations
@@ -69,30 +70,33 @@ class OverlayDefinition:
 
 @dataclass(frozen=True)
 class Overlay:
-    """A parsed overlay module: its marked definitions and the imports they may need."""
+    """A parsed overlay module: its marked definitions and the imports they may need
+    (``type_imports``: those under ``if TYPE_CHECKING:``, for annotations only)."""
 
     path: Path
     definitions: tuple[OverlayDefinition, ...]
     imports: tuple[cst.SimpleStatementLine, ...]
+    type_imports: tuple[cst.SimpleStatementLine, ...] = ()
 
     @classmethod
     def parse(cls, path: Path, others: Iterable[Path] = ()) -> Overlay:
         """The definitions spliced into ``path``'s upstream module: those written in
         ``path``, and those the overlay files ``others`` add ``into`` it, with the
         imports of the files they are written in."""
-        definitions, imports = _parse_file(path)
+        definitions, imports, type_imports = _parse_file(path)
         own = [d for d in definitions if d.into is None]
-        imports = list(imports)
+        imports, type_imports = list(imports), list(type_imports)
         target = path.resolve()
         for other in others:
             if other.resolve() == target:
                 continue
-            foreign, foreign_imports = _parse_file(other)
+            foreign, foreign_imports, foreign_type_imports = _parse_file(other)
             sent = [d for d in foreign if d.into == target]
             if sent:
                 own += sent
                 imports += foreign_imports
-        return cls(path, tuple(own), tuple(imports))
+                type_imports += foreign_type_imports
+        return cls(path, tuple(own), tuple(imports), tuple(type_imports))
 
     def fixes(self) -> set[str]:
         return {d.fix for d in self.definitions}
@@ -168,18 +172,22 @@ def check_bounds(paths: Iterable[Path]) -> None:
         raise SpliceError(str(bound))
 
 
-def _parse_file(path: Path) -> tuple[tuple[OverlayDefinition, ...],
-                                     tuple[cst.SimpleStatementLine, ...]]:
-    """The marked definitions (one per marker) and the imports of one overlay file."""
+_Imports = tuple[cst.SimpleStatementLine, ...]
+
+
+def _parse_file(path: Path) -> tuple[tuple[OverlayDefinition, ...], _Imports, _Imports]:
+    """The marked definitions (one per marker), the imports and the imports under ``if
+    TYPE_CHECKING:`` of one overlay file."""
     return _parse_source(path, path.read_text())
 
 
 @functools.cache
 def _parse_source(path: Path, source: str) -> tuple[tuple[OverlayDefinition, ...],
-                                                    tuple[cst.SimpleStatementLine, ...]]:
+                                                    _Imports, _Imports]:
     module = cst.parse_module(source)
     definitions: list[OverlayDefinition] = []
     imports: list[cst.SimpleStatementLine] = []
+    type_imports: list[cst.SimpleStatementLine] = []
     position = 0
     for statement in module.body:
         if _is_import(statement):
@@ -188,7 +196,9 @@ def _parse_source(path: Path, source: str) -> tuple[tuple[OverlayDefinition, ...
         elif isinstance(statement, (cst.ClassDef, cst.FunctionDef)):
             definitions += _parse_definition(path, statement, position)
             position += 1
-        elif not (_is_docstring(statement) or _is_type_checking_block(statement)):
+        elif _is_type_checking_block(statement):
+            type_imports += statement.body.body
+        elif not _is_docstring(statement):
             # Only marked definitions and imports reach upstream: anything else
             # (a constant, a registration call) would silently be left out.
             first_line = module.code_for_node(statement).strip().splitlines()[0]
@@ -196,11 +206,11 @@ def _parse_source(path: Path, source: str) -> tuple[tuple[OverlayDefinition, ...
                 f"{path}: `{first_line}` is a module-level statement outside a marked "
                 "definition, which the splice would drop; make it a marked @add "
                 "definition or move it into one")
-    return tuple(definitions), tuple(imports)
+    return tuple(definitions), tuple(imports), tuple(type_imports)
 
 
 def _is_type_checking_block(statement: cst.CSTNode) -> bool:
-    """``if TYPE_CHECKING:`` with imports only: annotations' names, never spliced."""
+    """``if TYPE_CHECKING:`` with imports only: annotations' names."""
     return (
         isinstance(statement, cst.If)
         and isinstance(statement.test, cst.Name)
@@ -326,16 +336,29 @@ def _blank_lines(node: cst.CSTNode) -> list[cst.EmptyLine]:
 class _NameCollector(cst.CSTVisitor):
     def __init__(self) -> None:
         self.names: set[str] = set()
+        self.annotation_names: set[str] = set()  # in string annotations ("Request")
 
     def visit_Name(self, node: cst.Name) -> None:
         self.names.add(node.value)
 
+    def visit_Annotation(self, node: cst.Annotation) -> None:
+        if isinstance(node.annotation, cst.SimpleString):
+            quoted = cst.parse_expression(str(node.annotation.evaluated_value))
+            self.annotation_names |= _used_names([quoted])
 
-def _used_names(nodes: list[cst.CSTNode]) -> set[str]:
+
+def _used_names(nodes: list[cst.CSTNode], *, quoted: bool = False) -> set[str]:
+    """The names ``nodes`` use; with ``quoted``, also those in string annotations."""
     collector = _NameCollector()
     for node in nodes:
         node.visit(collector)
-    return collector.names
+    return collector.names | (collector.annotation_names if quoted else set())
+
+
+def _type_checking_bindings(module: cst.Module) -> set[str]:
+    """Names bound by the imports of ``module``'s top-level ``if TYPE_CHECKING:`` blocks."""
+    return {name for statement in module.body if _is_type_checking_block(statement)
+            for line in statement.body.body for name, _ in _bound_names(line)}
 
 
 def _module_bindings(module: cst.Module) -> set[str]:
@@ -458,7 +481,7 @@ def _hooks(definitions: list[OverlayDefinition]) -> Iterable[tuple[str, tuple[st
 
 
 def splice(upstream_source: str, definitions: list[OverlayDefinition],
-           imports: tuple[cst.SimpleStatementLine, ...], path: Path) -> str:
+           imports: _Imports, path: Path, type_imports: _Imports = ()) -> str:
     """``upstream_source`` with ``definitions`` spliced in, in order."""
     module = cst.parse_module(upstream_source)
     body = list(module.body)
@@ -484,26 +507,60 @@ def splice(upstream_source: str, definitions: list[OverlayDefinition],
         else:
             body[position] = _with_leading(_blank_lines(current), node)
     module = module.with_changes(body=body)
-    return _add_imports(module, [d.node for d in definitions], imports).code
+    spliced = [d.node for d in definitions]
+    module = _add_imports(module, spliced, imports)
+    return _add_type_imports(module, spliced, type_imports).code
 
 
 def _add_imports(module: cst.Module, spliced: list[cst.CSTNode],
-                 imports: tuple[cst.SimpleStatementLine, ...]) -> cst.Module:
+                 imports: _Imports) -> cst.Module:
     """Add the overlay imports that ``spliced`` uses and ``module`` does not bind."""
     added = missing_imports(_module_bindings(module), spliced, imports)
     if not added:
         return module
     body = list(module.body)
-    last_import = max(i for i, s in enumerate(body) if _is_import(s))
-    body[last_import + 1 : last_import + 1] = added
+    body[_after_imports(body):_after_imports(body)] = added
     return module.with_changes(body=body)
 
 
-def missing_imports(present: set[str], spliced: list[cst.CSTNode],
-                    imports: tuple[cst.SimpleStatementLine, ...]) -> list[cst.SimpleStatementLine]:
-    """The overlay import statements, cut down to the names ``spliced`` uses and ``present``
-    lacks: what the splice adds to an upstream module (and the runtime to a live one)."""
-    used = _used_names(spliced)
+def _after_imports(body: list[cst.CSTNode]) -> int:
+    return max(i for i, s in enumerate(body) if _is_import(s)) + 1
+
+
+def _add_type_imports(module: cst.Module, spliced: list[cst.CSTNode],
+                      type_imports: _Imports) -> cst.Module:
+    """Add the overlay's ``if TYPE_CHECKING:`` imports that ``spliced``'s annotations
+    use and ``module`` binds nowhere, to ``module``'s first such block (a new one after
+    its imports if it has none). At run time nothing needs them: vLLM's modules quote
+    such annotations, as overlays do, and type checkers (upstream's mypy hook) read
+    them; without them an exported fix fails that hook (F821, name-defined)."""
+    present = _module_bindings(module) | _type_checking_bindings(module)
+    added = missing_imports(present, spliced, type_imports, quoted=True)
+    if not added:
+        return module
+    body = list(module.body)
+    block = next((i for i, s in enumerate(body) if _is_type_checking_block(s)), None)
+    inner: list[cst.BaseStatement] = []
+    if block is None:
+        block = _after_imports(body)
+        if "TYPE_CHECKING" not in present:
+            body.insert(block, cst.parse_statement("from typing import TYPE_CHECKING\n"))
+            block += 1
+        body.insert(block, cst.parse_statement("if TYPE_CHECKING:\n    pass\n").with_changes(
+            leading_lines=[cst.EmptyLine(indent=False)]))
+    else:
+        inner = list(body[block].body.body)
+    body[block] = body[block].with_changes(
+        body=body[block].body.with_changes(body=[*inner, *added]))
+    return module.with_changes(body=body)
+
+
+def missing_imports(present: set[str], spliced: list[cst.CSTNode], imports: _Imports,
+                    *, quoted: bool = False) -> list[cst.SimpleStatementLine]:
+    """The overlay import statements, cut down to the names ``spliced`` uses (with
+    ``quoted``, in string annotations too) and ``present`` lacks: what the splice adds to
+    an upstream module (and the runtime to a live one)."""
+    used = _used_names(spliced, quoted=quoted)
     present = set(present)
     added: list[cst.SimpleStatementLine] = []
     for statement in imports:

@@ -52,7 +52,7 @@ def write_overlay(tmp_path: Path, body: str) -> Overlay:
 
 def spliced(overlay: Overlay, fixes=("F1",), release="0.21.0") -> str:
     definitions = overlay.select(list(fixes), Version(release))
-    return splice(UPSTREAM, definitions, overlay.imports, overlay.path)
+    return splice(UPSTREAM, definitions, overlay.imports, overlay.path, overlay.type_imports)
 
 
 def test_replaces_a_method_and_keeps_everything_else_byte_identical(tmp_path):
@@ -445,7 +445,42 @@ def test_type_checking_imports_are_allowed(tmp_path):
         def path_of(p: "PathLike") -> str:
             return str(p)
     ''')
-    assert "def path_of" in spliced(overlay)
+    result = spliced(overlay)
+    assert "def path_of" in result
+    # Upstream has no TYPE_CHECKING block: one is made, after its imports, for the name
+    # the quoted annotation uses (upstream's mypy hook reads it; the runtime never does).
+    assert "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from os import PathLike\n" \
+        in result
+
+
+def test_type_checking_imports_go_into_upstreams_block_unless_it_has_them(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from os import PathLike
+            from pathlib import PurePath
+
+        @add("F1", ">=0.18")
+        def path_of(p: "PathLike | PurePath", q: "Unrelated") -> str:
+            return str(p)
+    ''')
+    upstream = textwrap.dedent('''\
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from pathlib import PurePath
+    ''')
+    definitions = overlay.select(["F1"], Version("0.21.0"))
+    result = splice(upstream, definitions, overlay.imports, overlay.path, overlay.type_imports)
+    assert result.startswith(textwrap.dedent('''\
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from pathlib import PurePath
+            from os import PathLike
+    '''))
+    assert result.count("TYPE_CHECKING") == 2
 
 
 def test_doc_assignment_replaces_the_class_docstring(tmp_path):
