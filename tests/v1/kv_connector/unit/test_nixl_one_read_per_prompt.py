@@ -75,7 +75,7 @@ def block_count(block_ids) -> int:
 
 
 def nixl_metadata(scheduler_output):
-    """The NIXL connector's metadata of a step, directly or as MultiConnector's child."""
+    """The NIXL connector's metadata of a step (itself or MultiConnector's child)."""
     meta = scheduler_output.kv_connector_metadata
     return meta.metadata[0] if hasattr(meta, "metadata") else meta
 
@@ -88,8 +88,13 @@ class Pulls:
         self.reads: dict[str, int] = {}
         self.notified: list[str] = []
 
-    def step(self, scheduler, children, failed: set[str] = frozenset(),
-             loaded: set[str] | None = None) -> set[str]:
+    def step(
+        self,
+        scheduler,
+        children,
+        failed: set[str] = frozenset(),
+        loaded: set[str] | None = None,
+    ) -> set[str]:
         """One scheduler step; the READs started in the step before (``loaded``)
         complete in it, those in ``failed`` with every block invalid. Returns the
         READs started in this step."""
@@ -114,16 +119,24 @@ class Pulls:
         scheduler.update_from_output(output, runner_output)
         return started
 
-    def run(self, scheduler, children, steps: int = 8,
-            failed: set[str] = frozenset(), loading: set[str] = frozenset()) -> None:
-        """``steps`` steps, the READs in ``loading`` (started before) completing first."""
+    def run(
+        self,
+        scheduler,
+        children,
+        steps: int = 8,
+        failed: set[str] = frozenset(),
+        loading: set[str] = frozenset(),
+    ) -> None:
+        """``steps`` steps; the READs in ``loading`` (started before) complete first."""
         for _ in range(steps):
             loading = self.step(scheduler, children, failed, loading)
 
 
 def computed(children) -> bool:
-    return all(c.status == RequestStatus.RUNNING and c.num_computed_tokens > 0
-               for c in children)
+    return all(
+        c.status == RequestStatus.RUNNING and c.num_computed_tokens > 0
+        for c in children
+    )
 
 
 def full_blocks(scheduler, request) -> list[int]:
@@ -143,7 +156,7 @@ def multi_connector(vllm_config) -> None:
 @pytest.mark.parametrize("through", ["NixlConnector", "MultiConnector"])
 @pytest.mark.parametrize("n", [4, 8])
 def test_children_of_one_prompt_read_it_once(n, through):
-    """n children of one remote prompt: one READ of its blocks, n - 1 notifications,
+    """N children of one remote prompt: one READ of its blocks, n - 1 notifications,
     every child running on the read blocks."""
     vllm_config = create_vllm_config()
     if through == "MultiConnector":
@@ -154,17 +167,20 @@ def test_children_of_one_prompt_read_it_once(n, through):
     pulls.run(scheduler, children)
 
     assert len(pulls.reads) == 1, (
-        f"{len(pulls.reads)} READs of one remote prompt by its {n} children")
+        f"{len(pulls.reads)} READs of one remote prompt by its {n} children"
+    )
     [(reader_id, blocks)] = pulls.reads.items()
     assert blocks == FULL_BLOCKS + 1
     others = [c.request_id for c in children if c.request_id != reader_id]
-    assert sorted(pulls.notified) == sorted(others), \
+    assert sorted(pulls.notified) == sorted(others), (
         "each other child notifies the producer once, as a full local prefix hit"
+    )
     assert computed(children)
     reader = next(c for c in children if c.request_id == reader_id)
     for child in children:
-        assert full_blocks(scheduler, child) == full_blocks(scheduler, reader), \
+        assert full_blocks(scheduler, child) == full_blocks(scheduler, reader), (
             "every child computes on the blocks the reader read"
+        )
 
 
 def test_others_wait_only_while_the_reader_loads():
@@ -178,8 +194,11 @@ def test_others_wait_only_while_the_reader_loads():
     assert len(started) == 1
     in_flight = pulls.step(scheduler, children)  # the READ has not completed yet
     assert not in_flight and not pulls.notified
-    assert all(c.status == RequestStatus.WAITING for c in children
-               if c.request_id not in started)
+    assert all(
+        c.status == RequestStatus.WAITING
+        for c in children
+        if c.request_id not in started
+    )
     pulls.step(scheduler, children, loaded=started)
     pulls.step(scheduler, children)
     assert computed(children) and len(pulls.reads) == 1
@@ -221,7 +240,8 @@ def test_every_child_reads_without_a_prefix_cache_to_share(why):
     read_prompt_once false) each child reads, as upstream does."""
     if why == "switched off":
         vllm_config = create_vllm_config(
-            kv_connector_extra_config={"read_prompt_once": False})
+            kv_connector_extra_config={"read_prompt_once": False}
+        )
     else:
         vllm_config = create_vllm_config()
         vllm_config.cache_config.enable_prefix_caching = False
@@ -247,7 +267,8 @@ def test_prompts_of_different_prefills_are_read_each():
 
     pulls = Pulls()
     started = pulls.step(scheduler, (*first, *second))
-    assert len({int(req_id.split("-")[1]) < 10 for req_id in started}) == 2, \
+    assert len({int(req_id.split("-")[1]) < 10 for req_id in started}) == 2, (
         "each remote prompt is read in the first step"
+    )
     pulls.run(scheduler, (*first, *second), loading=started)
     assert computed((*first, *second))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.utils import PromptReads
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_patches._overlay import amend, call_at_end_of, redirect_call_in
 
@@ -46,6 +47,7 @@ class NixlBaseConnector:
     ) -> tuple[int | None, bool]:
         """Upstream's answer, unless another request reads the same remote prompt
         (PromptReads.local_answer)."""
+        assert self.connector_scheduler is not None
         reads = self._prompt_reads
         answer = reads.local_answer(request, num_computed_tokens) if reads else None
         if answer is not None:
@@ -59,6 +61,7 @@ class NixlBaseConnector:
         self, request: "Request", block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         """Upstream's request_finished, after PromptReads forgot the request."""
+        assert self.connector_scheduler is not None
         if self._prompt_reads is not None:
             self._prompt_reads.finished(request)
         return self.connector_scheduler.request_finished(request, block_ids)
@@ -86,11 +89,10 @@ class NixlPullConnector:
         """One reader per remote prompt, unless switched off
         (kv_connector_extra_config["read_prompt_once"]) or the decoder has no
         prefix cache to serve the other requests from."""
-        from vllm.distributed.kv_transfer.kv_connector.utils import PromptReads
-
         if role != KVConnectorRole.SCHEDULER:
             return
         cache_config = vllm_config.cache_config
+        assert vllm_config.kv_transfer_config is not None
         switched_on = vllm_config.kv_transfer_config.get_from_extra_config(
             "read_prompt_once", True
         )
