@@ -75,8 +75,7 @@ def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -
         upstream = _git.file_at(tree, base, upstream_path)
         if upstream is None:
             raise UserError(f"v{release} has no {upstream_path} (overlay {overlay})")
-        spliced = splice(upstream, definitions, parsed.imports, parsed.path,
-                         parsed.type_imports)
+        spliced = splice(upstream, definitions, parsed)
         sources[upstream_path] = sort_imports(tree, upstream_path, spliced)
     return sources
 

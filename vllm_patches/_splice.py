@@ -481,8 +481,10 @@ def _hooks(definitions: list[OverlayDefinition]) -> Iterable[tuple[str, tuple[st
 
 
 def splice(upstream_source: str, definitions: list[OverlayDefinition],
-           imports: _Imports, path: Path, type_imports: _Imports = ()) -> str:
-    """``upstream_source`` with ``definitions`` spliced in, in order."""
+           overlay: Overlay) -> str:
+    """``upstream_source`` with ``definitions`` (chosen from ``overlay``) spliced in, in
+    order, and the overlay's imports they need."""
+    path = overlay.path
     module = cst.parse_module(upstream_source)
     body = list(module.body)
     call_filters = group_call_filters(_hooks(definitions))
@@ -508,8 +510,8 @@ def splice(upstream_source: str, definitions: list[OverlayDefinition],
             body[position] = _with_leading(_blank_lines(current), node)
     module = module.with_changes(body=body)
     spliced = [d.node for d in definitions]
-    module = _add_imports(module, spliced, imports)
-    return _add_type_imports(module, spliced, type_imports).code
+    module = _add_imports(module, spliced, overlay.imports)
+    return _add_type_imports(module, spliced, overlay.type_imports).code
 
 
 def _add_imports(module: cst.Module, spliced: list[cst.CSTNode],
@@ -519,7 +521,8 @@ def _add_imports(module: cst.Module, spliced: list[cst.CSTNode],
     if not added:
         return module
     body = list(module.body)
-    body[_after_imports(body):_after_imports(body)] = added
+    position = _after_imports(body)
+    body[position:position] = added
     return module.with_changes(body=body)
 
 
@@ -540,18 +543,17 @@ def _add_type_imports(module: cst.Module, spliced: list[cst.CSTNode],
         return module
     body = list(module.body)
     block = next((i for i, s in enumerate(body) if _is_type_checking_block(s)), None)
-    inner: list[cst.BaseStatement] = []
-    if block is None:
-        block = _after_imports(body)
-        if "TYPE_CHECKING" not in present:
-            body.insert(block, cst.parse_statement("from typing import TYPE_CHECKING\n"))
-            block += 1
-        body.insert(block, cst.parse_statement("if TYPE_CHECKING:\n    pass\n").with_changes(
-            leading_lines=[cst.EmptyLine(indent=False)]))
-    else:
-        inner = list(body[block].body.body)
-    body[block] = body[block].with_changes(
-        body=body[block].body.with_changes(body=[*inner, *added]))
+    if block is not None:
+        existing = body[block]
+        body[block] = existing.with_changes(body=existing.body.with_changes(
+            body=[*existing.body.body, *added]))
+        return module.with_changes(body=body)
+    position = _after_imports(body)
+    new = [cst.If(test=cst.Name("TYPE_CHECKING"), body=cst.IndentedBlock(body=added),
+                  leading_lines=[cst.EmptyLine(indent=False)])]
+    if "TYPE_CHECKING" not in present:
+        new.insert(0, cst.parse_statement("from typing import TYPE_CHECKING\n"))
+    body[position:position] = new
     return module.with_changes(body=body)
 
 

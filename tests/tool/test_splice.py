@@ -52,7 +52,7 @@ def write_overlay(tmp_path: Path, body: str) -> Overlay:
 
 def spliced(overlay: Overlay, fixes=("F1",), release="0.21.0") -> str:
     definitions = overlay.select(list(fixes), Version(release))
-    return splice(UPSTREAM, definitions, overlay.imports, overlay.path, overlay.type_imports)
+    return splice(UPSTREAM, definitions, overlay)
 
 
 def test_replaces_a_method_and_keeps_everything_else_byte_identical(tmp_path):
@@ -160,7 +160,7 @@ def test_call_at_end_of_passes_arguments_and_runs_at_every_bare_return(tmp_path)
             def _settle(self, metadata, step):
                 pass
         ''')
-    result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+    result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay)
     assert result.startswith(textwrap.dedent('''\
         class Worker:
             def start(self, metadata, step=0):
@@ -191,7 +191,7 @@ def test_filter_result_of_wraps_every_returned_value(tmp_path):
             def _with_more(self, found):
                 return found | {1}
         ''')
-    result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+    result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay)
     assert "        if not found:\n            return self._with_more(found)\n" in result
     assert "        return self._with_more({*found, nested()})\n" in result
     assert "        def nested():\n            return None\n" in result
@@ -205,7 +205,7 @@ def test_filter_result_of_passes_a_bare_tuple_as_one_value(tmp_path):
             def _seen(self, finished):
                 return finished
         ''')
-    result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+    result = splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay)
     assert "        return self._seen((self.done, None))\n" in result
 
 
@@ -235,8 +235,7 @@ SEEN_OVERLAY = '''
 
 def test_filter_call_in_wraps_each_call_of_the_callee_in_the_method(tmp_path):
     overlay = write_overlay(tmp_path, SEEN_OVERLAY)
-    result = splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay.imports,
-                    overlay.path)
+    result = splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay)
     assert result == POLLING.replace(
         "in self.agent.poll().items()", "in self._seen(self.agent.poll()).items()").replace(
         "found | self.agent.poll(1)", "found | self._seen(self.agent.poll(1))") + (
@@ -273,7 +272,7 @@ def test_call_filters_of_two_fixes_on_one_callee_compose_in_series_order(tmp_pat
                 return notifs
         ''')
     result = splice(POLLING_TWICE, overlay.select(["F1", "F2"], Version("0.21.0")),
-                    overlay.imports, overlay.path)
+                    overlay)
     assert "        for agent, messages in self._seen(self.agent.poll()).items():\n" in result
     # The later fix sees what the earlier one's filter returned; the line would be 95
     # characters long, so it is laid out as ruff formats it.
@@ -293,7 +292,7 @@ def test_filter_call_in_refuses_a_method_without_the_call(tmp_path):
                 return notifs
         ''')
     with pytest.raises(SpliceError, match="notifs makes no call of self.agent.peek"):
-        splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+        splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay)
 
 
 def test_redirect_call_in_sends_each_call_to_the_hook_with_its_arguments(tmp_path):
@@ -308,8 +307,7 @@ def test_redirect_call_in_sends_each_call_to_the_hook_with_its_arguments(tmp_pat
             def _poll2(self):
                 return 2
         ''')
-    result = splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay.imports,
-                    overlay.path)
+    result = splice(POLLING, overlay.select(["F1"], Version("0.21.0")), overlay)
     assert result.startswith(POLLING.replace(
         "in self.agent.poll().items()", "in self._poll_later().items()").replace(
         "found | self.agent.poll(1) | {self.agent.poll2()}",
@@ -331,7 +329,7 @@ def test_hooks_refuse_what_they_cannot_mirror(tmp_path, marker, target, params, 
                 pass
         ''')
     with pytest.raises(SpliceError, match=error):
-        splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay.imports, overlay.path)
+        splice(HOOKED, overlay.select(["F1"], Version("0.21.0")), overlay)
 
 
 def test_one_definition_is_added_into_the_files_each_release_needs(tmp_path):
@@ -353,7 +351,7 @@ def test_one_definition_is_added_into_the_files_each_release_needs(tmp_path):
     received = Overlay.parse(old, files)
     assert [d.name for d in received.select(["F1"], Version("0.19.0"))] == ["Shared"]
     assert received.select(["F1"], Version("0.21.0")) == []
-    result = splice(UPSTREAM, received.select(["F1"], Version("0.19.0")), received.imports, old)
+    result = splice(UPSTREAM, received.select(["F1"], Version("0.19.0")), received)
     assert "from collections import OrderedDict\n" in result  # the home file's import
     assert result.endswith("\n\n\nclass Shared:\n    seen = OrderedDict()\n")
     assert [d.name for d in Overlay.parse(home, files).select(["F1"], Version("0.21.0"))] == ["Shared"]
@@ -376,7 +374,7 @@ def test_a_partial_class_is_written_once_for_a_class_of_another_name(tmp_path):
     received = Overlay.parse(old, [home, old])
     (definition,) = received.select(["F1"], Version("0.19.0"))
     assert definition.name == "Worker" and definition.source == home
-    result = splice(UPSTREAM, [definition], received.imports, old)
+    result = splice(UPSTREAM, [definition], received)
     assert "    def forget(self):\n        return self.x\n\n\ndef helper(a):" in result
     assert "BaseWorker" not in result
 
@@ -472,7 +470,7 @@ def test_type_checking_imports_go_into_upstreams_block_unless_it_has_them(tmp_pa
             from pathlib import PurePath
     ''')
     definitions = overlay.select(["F1"], Version("0.21.0"))
-    result = splice(upstream, definitions, overlay.imports, overlay.path, overlay.type_imports)
+    result = splice(upstream, definitions, overlay)
     assert result.startswith(textwrap.dedent('''\
         from typing import TYPE_CHECKING
 
