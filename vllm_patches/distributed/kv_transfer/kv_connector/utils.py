@@ -60,8 +60,7 @@ class PromptReads:
       (``finished``): nothing outlives the requests that use it.
     """
 
-    def __init__(self, enabled: bool, block_size: int) -> None:
-        self.enabled = enabled
+    def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._reads: dict[tuple[str, str], _PromptRead] = {}
         self._prompt_of: dict[str, tuple[str, str]] = {}
@@ -87,7 +86,7 @@ class PromptReads:
         False)`` while another request reads its prompt, ``(0, False)`` once that
         read is in the local prefix cache; None when ``request`` reads (upstream's
         answer)."""
-        prompt = self.prompt(request) if self.enabled else None
+        prompt = self.prompt(request)
         if prompt is None:
             return None
         read = self._reads.get(prompt)

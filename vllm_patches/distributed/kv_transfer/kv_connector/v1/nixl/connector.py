@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 class NixlBaseConnector:
     """F5: the scheduler-side calls go through PromptReads."""
 
-    # Set by the pull connector's scheduler role; push connectors (v0.24+) and
-    # worker roles read nothing here.
+    # Set by the pull connector's scheduler role when F5 is on; None (each request
+    # reads, as upstream) for push connectors (v0.24+), worker roles, a decoder
+    # without prefix caching and read_prompt_once false.
     _prompt_reads: "PromptReads | None" = None
 
     @redirect_call_in(
@@ -96,7 +97,5 @@ class NixlPullConnector:
         switched_on = vllm_config.kv_transfer_config.get_from_extra_config(
             "read_prompt_once", True
         )
-        self._prompt_reads = PromptReads(
-            enabled=bool(switched_on and cache_config.enable_prefix_caching),
-            block_size=cache_config.block_size,
-        )
+        if switched_on and cache_config.enable_prefix_caching:
+            self._prompt_reads = PromptReads(block_size=cache_config.block_size)
