@@ -34,9 +34,9 @@ if TYPE_CHECKING:
 class NixlBaseConnector:
     """F5: the scheduler-side calls go through PromptReads."""
 
-    # Set by the pull connector's scheduler role when F5 is on; None (each request
-    # reads, as upstream) for push connectors (v0.24+), worker roles, a decoder
-    # without prefix caching and read_prompt_once false.
+    # Set by the pull connector's scheduler role when a prompt is read once; None
+    # (each request reads, as upstream) for push connectors (v0.24+), worker roles,
+    # a decoder without prefix caching and read_prompt_once false.
     _prompt_reads: "PromptReads | None" = None
 
     @redirect_call_in(
