@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,12 +184,12 @@ def engine_env(release: Version) -> dict[str, str]:
     }
 
 
-def measure_in_engine_venv(release: Version, script: Path) -> dict:
-    """Run ``script --measure`` with ``release``'s engine venv and the e2e harness's
+def measure_in_engine_venv(release: Version, script: Path, args: Sequence[str] = ()) -> dict:
+    """Run ``script --measure *args`` with ``release``'s engine venv and the e2e harness's
     environment (a benchmark's engines, as the lane's tests run them); the JSON object it
     printed last. SystemExit with the end of its output when it failed."""
     python = ensure_engine_venv(release)
-    proc = subprocess.run([str(python), "-P", str(script), "--measure"], check=False,
+    proc = subprocess.run([str(python), "-P", str(script), "--measure", *args], check=False,
                           cwd=lanes.REPO, env=engine_env(release), capture_output=True,
                           text=True)
     if proc.returncode != 0:

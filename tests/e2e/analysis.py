@@ -144,18 +144,24 @@ def notification_timing(producer_events: list[dict[str, Any]],
     return rows
 
 
-def frees_while_read_outstanding(producer_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Blocks the producer returned to the free queue before it had read every pull
-    notification for a request that held them (see the F2 test's docstring for why this
-    is "freed while a READ of it was outstanding").
+def frees_while_read_outstanding(producer_events: list[dict[str, Any]],
+                                 decoder_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Blocks the producer returned to the free queue before it had read the pull
+    notification of every READ of a request that held them (see the F2 test's docstring
+    for why this is "freed while a READ of it was outstanding").
 
     For each ``free`` of a request R with block ids B (all groups), each block b of B is
     followed to the moment it next reached ref_cnt 0 (at R's free, or at the free of
-    another request sharing it); a notification for R read after that moment is a
-    violation, one entry per (R, b)."""
+    another request sharing it); notifications for R read after that moment are a
+    violation, one entry per (R, b), when one of them is a READ's. The producer reads
+    R's notifications in the order the decoder sent them (one NIXL agent to another), so
+    those read after the free are the last ones the decoder sent for R; a bare
+    notification (a full local prefix hit: a child that took the read prompt from the
+    decoder's prefix cache, sent once that READ completed) reads nothing."""
     notified: dict[str, list[float]] = defaultdict(list)
     for t, req_id in notification_messages(producer_events):
         notified[req_id].append(t)
+    sent = reads_by_request(decoder_events)
     zero_at: dict[int, list[float]] = defaultdict(list)
     frees = [e for e in producer_events if e["event"] == "free"]
     for event in frees:
@@ -170,7 +176,7 @@ def frees_while_read_outstanding(producer_events: list[dict[str, Any]]) -> list[
             if freed is None:
                 continue
             later = [t for t in notified[event["req"]] if t > freed]
-            if later:
+            if later and any(e["event"] == "read" for e in sent[event["req"]][-len(later):]):
                 violations.append({"req": event["req"], "block": block,
                                    "notifications_after_free": len(later),
                                    "ms_after_free": round(1000 * (max(later) - freed), 2)})
@@ -239,7 +245,8 @@ def pair_summary(record: dict[str, Any], producer_events: list[dict[str, Any]],
         "bytes_transferred": record["bytes_transferred"],
         "transfers": record["transfers"],
         "staged_after_drain": staged_after(producer_events, record["t_drained"]),
-        "blocks_freed_while_read_outstanding": len(frees_while_read_outstanding(producer_events)),
+        "blocks_freed_while_read_outstanding":
+            len(frees_while_read_outstanding(producer_events, decoder_events)),
         "notification_timing": notification_timing(producer_events, decoder_events, remote_ids),
     }
 

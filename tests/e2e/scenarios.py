@@ -225,6 +225,10 @@ POKE_GAP_S = 0.25
 # within milliseconds, and an idle producer reads their notifications in one step.)
 DECODER_SEQS = 4
 DECODER_BLOCKS = 1 + 2 * 3
+# A roomy decoder admits the children of every prompt of a burst in one step, as a
+# serving decoder with room does: none has a prefix hit yet, so stock READs each prompt
+# in full n times (F5's case). Room for a prompt with n=1, one with n=4 and one with n=8.
+ROOMY_DECODER_SEQS = 16
 # Tokens each child decodes (the partial block fills up, no new one): a wave lasts that
 # many decoder steps, over a second here, long enough for the producer (stepped every
 # BUSY_GAP_S or so) to step within it.
@@ -239,8 +243,8 @@ BUSY_GAP_S = 0.2
 BUSY_REQUESTS = 1000
 
 
-def prompt_tokens() -> int:
-    return PROMPT_FULL_BLOCKS * block_size() + PROMPT_TAIL_TOKENS
+def prompt_tokens(full_blocks: int = PROMPT_FULL_BLOCKS) -> int:
+    return full_blocks * block_size() + PROMPT_TAIL_TOKENS
 
 
 def kv_transfer_config(connector: str) -> dict[str, Any]:
@@ -255,11 +259,34 @@ def kv_transfer_config(connector: str) -> dict[str, Any]:
     return configs[connector]
 
 
+def decoder_args(decoder: str) -> dict[str, Any]:
+    """The engine arguments of the pair's decoder: "loaded" (``DECODER_SEQS``,
+    ``DECODER_BLOCKS``: it admits a prompt's children in waves) or "roomy"
+    (``ROOMY_DECODER_SEQS``, KV to spare)."""
+    if decoder == "roomy":
+        return {"max_num_seqs": ROOMY_DECODER_SEQS}
+    # vLLM refuses a length whose KV the pool cannot hold.
+    return {"max_num_seqs": DECODER_SEQS, "num_gpu_blocks_override": DECODER_BLOCKS,
+            "max_model_len": (DECODER_BLOCKS - 1) * block_size()}
+
+
+def fixes_env(fixes: str | None) -> dict[str, str]:
+    """The plugin's switches for an engine of its own fix set, as an operator who
+    upgrades prefill and decode engines separately runs them: "none" (the plugin
+    disabled: a stock engine) or the fix ids to activate; None keeps the run's mode."""
+    if fixes is None:
+        return {}
+    if fixes == "none":
+        return {"VLLM_PATCHES_DISABLE": "1"}
+    return {"VLLM_PATCHES_DISABLE": "0", "VLLM_PATCHES_FIXES": fixes}
+
+
 def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, core: int,
-                connector: str, **engine_args: Any) -> Server:
+                connector: str, fixes: str | None = None, **engine_args: Any) -> Server:
     """A NIXL P/D engine (``kv_transfer_config``) whose probe file is its own,
     computing on CPU core ``core`` (vLLM's way to run several CPU engines on one host:
-    bound to the same cores, their OpenMP threads spin against each other)."""
+    bound to the same cores, their OpenMP threads spin against each other), with the
+    fixes ``fixes`` chooses (``fixes_env``)."""
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
         # The worker's main thread (the model's, too) stays on that core (see e2e_probe).
@@ -273,6 +300,7 @@ def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, cor
         "UCX_NET_DEVICES": "lo",
         PROBE_ENV: str(run_dir / f"{name}.probe.jsonl"),
         **NIXL_PROBE_ENV,
+        **fixes_env(fixes),
     }
     return Server(name, run_dir, port, OPT, env=env, block_size=block_size(), **engine_args,
                   kv_transfer_config=kv_transfer_config(connector))
@@ -338,12 +366,16 @@ def prefill(producer: Server, prompt: list[int], n: int) -> dict[str, Any]:
             "t_start": started, "t_prefilled": time.monotonic()}
 
 
-def decode(decoder: Server, flow: dict[str, Any]) -> dict[str, Any]:
-    """The second half: decode with the ``kv_transfer_params`` the prefill returned."""
-    response = completion(decoder, flow["prompt"], n=flow["n"], max_tokens=DECODE_TOKENS,
+def decode(decoder: Server, flow: dict[str, Any], tokens: int = DECODE_TOKENS
+           ) -> dict[str, Any]:
+    """The second half: decode ``tokens`` with the ``kv_transfer_params`` the prefill
+    returned. With one token, the response comes when the last child has its first."""
+    started = time.monotonic()
+    response = completion(decoder, flow["prompt"], n=flow["n"], max_tokens=tokens,
                           kv_transfer_params=flow["params"])
     return {**{k: v for k, v in flow.items() if k not in ("prompt", "params")},
-            "decode_choices": len(response["choices"]), "t_decoded": time.monotonic()}
+            "decode_choices": len(response["choices"]), "t_decode_start": started,
+            "t_decoded": time.monotonic()}
 
 
 def release_symptoms(producer: Server, log_start: int, decoder_before: dict[str, float],
@@ -365,7 +397,12 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     """F2/F3 (vllm PR 43509) in a real NIXL prefill/decode pair: two vllm-cpu engines on
     127.0.0.1, KV in host memory, READs over UCX.
 
-    Both engines use ``args["connector"]`` (``kv_transfer_config``).
+    Both engines use ``args["connector"]`` (``kv_transfer_config``). Optional:
+    ``args["fixes"]``, each engine's own fix set by role (``fixes_env``);
+    ``args["decoder"]``, "loaded" (the default) or "roomy" (``decoder_args``);
+    ``args["decode_tokens"]`` (``DECODE_TOKENS``); ``args["prompt_blocks"]``, the
+    burst's full blocks per prompt (``PROMPT_FULL_BLOCKS``); ``args["expiry"]``, false to end
+    after the drain (no expiry step; nothing after the drain is then recorded).
 
     1. warm-up: one prompt with n=1 through the pair (the decoder's NIXL handshake);
     2. burst: one prompt per entry of ``args["samples"]`` (its n), prefilled all at once,
@@ -389,13 +426,13 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     try:
         # Both at once: each engine computes on its own core.
         connector = args["connector"]
-        producer = nixl_server("producer", run_dir, 8100, 5600, core=0, connector=connector)
+        fixes = args.get("fixes", {})
+        producer = nixl_server("producer", run_dir, 8100, 5600, core=0, connector=connector,
+                               fixes=fixes.get("producer"))
         servers.append(producer)
         decoder = nixl_server("decoder", run_dir, 8200, 5601, core=1, connector=connector,
-                              max_num_seqs=DECODER_SEQS,
-                              num_gpu_blocks_override=DECODER_BLOCKS,
-                              # vLLM refuses a length whose KV the pool cannot hold.
-                              max_model_len=(DECODER_BLOCKS - 1) * block_size())
+                              fixes=fixes.get("decoder"),
+                              **decoder_args(args.get("decoder", "loaded")))
         servers.append(decoder)
         ready = {"producer_s": round(producer.wait_ready(), 1),
                  "decoder_s": round(decoder.wait_ready(), 1)}
@@ -419,7 +456,8 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
                 time.sleep(BUSY_GAP_S)
 
         samples = args["samples"]
-        prompts = [[10_000 + 1000 * i + t for t in range(prompt_tokens())]
+        tokens = prompt_tokens(args.get("prompt_blocks", PROMPT_FULL_BLOCKS))
+        prompts = [[10_000 + 1000 * i + t for t in range(tokens)]
                    for i in range(len(samples))]
         t_burst = time.monotonic()
         with ThreadPoolExecutor(len(samples) + 1) as pool:
@@ -427,7 +465,8 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
                                       range(len(samples))))
             busy = pool.submit(keep_producer_busy)
             try:
-                flows = list(pool.map(lambda flow: decode(decoder, flow), prefilled))
+                decoded = args.get("decode_tokens", DECODE_TOKENS)
+                flows = list(pool.map(lambda flow: decode(decoder, flow, decoded), prefilled))
             finally:
                 bursting.clear()
             busy.result()
@@ -439,17 +478,19 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
         decoder_after = decoder.metrics()
         last_prefill = max(flow["t_prefilled"] for flow in flows)
         expired_early = t_drained > last_prefill + NIXL_EXPIRY_S
-        time.sleep(max(0.0, last_prefill + NIXL_EXPIRY_S + 1 - time.monotonic()))
-        poke(producer)
-        poke(producer)
-        t_expired = time.monotonic()
-        after_expiry = producer.metrics()
+        t_expired, after_expiry = t_drained, None
+        if args.get("expiry", True):
+            time.sleep(max(0.0, last_prefill + NIXL_EXPIRY_S + 1 - time.monotonic()))
+            poke(producer)
+            poke(producer)
+            t_expired = time.monotonic()
+            after_expiry = producer.metrics()
     finally:
         for server in servers:
             server.stop()
     return {
         "connector": connector, "ready": ready, "expiry_s": NIXL_EXPIRY_S,
-        "block_size": block_size(), "prompt_tokens": prompt_tokens(), "flows": flows,
+        "block_size": block_size(), "prompt_tokens": tokens, "flows": flows,
         "busy_requests": busy_requests, "notifications_sent": sent,
         "notifications_read": producer_notifications_read(producer_probe) - read_before,
         "pokes": pokes, "t_burst": t_burst, "t_decoded": t_decoded, "t_drained": t_drained,
@@ -458,8 +499,10 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
         # nothing about what the burst left held.
         "expired_before_drain": expired_early,
         "usage_after_burst": metric(after_burst, "vllm:kv_cache_usage_perc"),
-        "usage_after_expiry": metric(after_expiry, "vllm:kv_cache_usage_perc"),
-        "expired_requests_metric": metric(after_expiry, "vllm:nixl_num_kv_expired_reqs_total"),
+        "usage_after_expiry": None if after_expiry is None
+        else metric(after_expiry, "vllm:kv_cache_usage_perc"),
+        "expired_requests_metric": None if after_expiry is None
+        else metric(after_expiry, "vllm:nixl_num_kv_expired_reqs_total"),
         **release_symptoms(producer, log_start, decoder_before, decoder_after),
     }
 

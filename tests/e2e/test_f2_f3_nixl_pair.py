@@ -28,8 +28,11 @@ agent, and on its scheduler each request's block ids when its blocks are freed a
 of them reached ref_cnt 0 there (back in the free queue, where any request can take and
 overwrite them). NIXL delivers a READ's notification to the target only once that READ
 has completed, and a decoder sends exactly one notification per READ (plus one bare
-notification for a full prefix hit, which reads nothing). So when the producer reads a
-notification for request R after a block b of R went back to the free queue, that READ
+notification for a full prefix hit, which reads nothing: F5's other children send one
+each once the reader's READ completed). The producer reads a request's notifications in
+the order the decoder sent them (the decoder's probe records which were READs'). So when
+the producer reads a READ's notification for request R after a block b of R went back to
+the free queue, that READ
 had not been seen complete when b was freed: at the producer's release decision (the
 ``get_finished`` that returned R, before the free) the notification had not arrived, so
 the READ of b was in flight or not yet started. Blocks shared with other requests count
@@ -74,14 +77,41 @@ RUNS = pytest.mark.parametrize(("mode", "connector"),
                                [(mode, connector) for connector in CONNECTORS for mode in MODES])
 
 
-class Burst:
-    """One run of the pair (a mode, a connector), with the probe events of both engines."""
+# Prefill and decode engines are upgraded separately (F5): pairs whose engines run fix
+# sets of their own (``scenarios.fixes_env``; the F2 producer runs every fix but F5), with
+# a roomy decoder (it admits every child of both prompts in one step, so a decoder without
+# F5 READs each prompt in full n times) and no expiry step (a producer that releases
+# everything shows it right after the drain). A new decoder with an F2 producer is the
+# "fixed" run above: every fix on both engines.
+COMBINATIONS = {
+    # Decoders upgraded first: the producers are still stock.
+    "f5-decoder-stock-producer": {"producer": "none", "decoder": "F5"},
+    # Producers upgraded first: the decoders are still stock.
+    "stock-decoder-f2-producer": {"producer": "but F5", "decoder": "none"},
+}
 
-    def __init__(self, mode: str, connector: str) -> None:
+
+def combination_fixes(name: str) -> dict[str, str]:
+    """Each engine's fix set of combination ``name``, as ``scenarios.fixes_env`` takes it."""
+    from vllm_patches import _series
+
+    every_but_f5 = ",".join(fix.id for fix in _series.load().fixes if fix.id != "F5")
+    return {role: every_but_f5 if fixes == "but F5" else fixes
+            for role, fixes in COMBINATIONS[name].items()}
+
+
+class Burst:
+    """One run of the pair (a mode, a connector, or a combination of fix sets), with the
+    probe events of both engines."""
+
+    def __init__(self, mode: str, connector: str, combination: str | None = None) -> None:
         self.mode = mode
+        args: dict = {"samples": SAMPLES, "connector": connector}
         label = "nixl-pair" if connector == "NixlConnector" else f"nixl-pair-{connector}"
-        self.record = run_scenario("nixl_pair", mode, {"samples": SAMPLES, "connector": connector},
-                                   label=label)
+        if combination:
+            args.update(fixes=combination_fixes(combination), decoder="roomy", expiry=False)
+            label = f"nixl-pair-{combination}"
+        self.record = run_scenario("nixl_pair", mode, args, label=label)
         self.run_dir = Path(self.record["run_dir"])
         self.producer = probe_events(self.run_dir, "producer.probe.jsonl")
         self.decoder = probe_events(self.run_dir, "decoder.probe.jsonl")
@@ -95,15 +125,18 @@ class Burst:
         """The scenario happened: every prompt had n siblings on the producer, the decoder
         READ the advertised one and the producer read the first notification for it
         before it expired, the producer read every notification and stepped after the
-        last one and after the expiry time."""
+        last one and after the expiry time. (A run that ended after the drain shows the
+        siblings only by the producer's n choices: a stock producer frees the unread ones
+        at the expiry, which that run does not wait for.)"""
         first_read = {}
         for t, req_id in analysis.notification_messages(self.producer):
             first_read.setdefault(req_id, t)
+        ended_at_drain = self.record["usage_after_expiry"] is None
         for flow in self.flows:
             n, remote = flow["n"], flow["remote_request_id"]
             assert flow["prefill_choices"] == flow["decode_choices"] == n, flow
             parent = analysis.parent_of(remote)
-            assert parent and len(self.siblings.get(parent, ())) == n, \
+            assert parent and (ended_at_drain or len(self.siblings.get(parent, ())) == n), \
                 f"{remote}: the producer freed {sorted(self.siblings.get(parent, ()))}, " \
                 f"not {n} siblings: the burst produced no n>1 siblings"
             assert self.reads.get(remote), f"the decoder never pulled {remote}"
@@ -117,6 +150,8 @@ class Burst:
         steps = [e["t"] for e in self.producer if e["event"] == "step"]
         assert any(t > last_notification for t in steps), \
             "the producer never stepped after reading the last notification"
+        if ended_at_drain:
+            return
         expiry_due = max(f["t_prefilled"] for f in self.flows) + record["expiry_s"]
         assert any(t > expiry_due for t in steps), "the producer never stepped past the expiry"
 
@@ -126,8 +161,8 @@ class Burst:
 
 
 @functools.cache
-def burst(mode: str, connector: str) -> Burst:
-    return Burst(mode, connector)
+def burst(mode: str, connector: str, combination: str | None = None) -> Burst:
+    return Burst(mode, connector, combination)
 
 
 @RUNS
@@ -210,7 +245,7 @@ def test_no_block_freed_while_a_read_is_outstanding(mode: str, connector: str) -
     blocks went back to the free queue."""
     run = burst(mode, connector)
     run.check_reached()
-    violations = analysis.frees_while_read_outstanding(run.producer)
+    violations = analysis.frees_while_read_outstanding(run.producer, run.decoder)
     if bug_expected("F2", mode):
         assert violations, "stock freed no block before its READs were in: the READs of " \
             "each prompt never straddled two producer steps in this run"
@@ -247,3 +282,85 @@ def test_one_read_per_prompt(mode: str, connector: str) -> None:
         assert all(descs < first for descs in later), \
             f"{remote}: READ in full more than once ({[e['descs'] for e in reads]})"
     assert run.record["transfers"] == total, run.record["transfers"]
+
+
+COMBINATION = pytest.mark.parametrize("name", list(COMBINATIONS))
+
+
+def combination(name: str) -> Burst:
+    """The run of combination ``name`` (its engines choose their fixes themselves)."""
+    return burst("fixed", "NixlConnector", name)
+
+
+@COMBINATION
+def test_each_engine_runs_its_own_fix_set(name: str) -> None:
+    """The combination is what it says: every process of each engine logs the line of
+    its own fix set (the stock one that the plugin is disabled)."""
+    run = combination(name)
+    problems = []
+    for engine, fixes in combination_fixes(name).items():
+        expected = activation_line("stock", {}) if fixes == "none" else \
+            activation_line("fixed", {"VLLM_PATCHES_FIXES": fixes})
+        problems += analysis.plugin_line_problems(run.run_dir / f"{engine}.log", expected,
+                                                  quiet_roles())
+    assert not problems, problems
+
+
+def read_sizes(run: Burst) -> dict[str, list[int]]:
+    """Per prompt (advertised request), the descriptors of each READ the decoder posted."""
+    return {flow["remote_request_id"]: [event["descs"] for event in
+                                        run.reads[flow["remote_request_id"]]
+                                        if event["event"] == "read"] for flow in run.flows}
+
+
+def test_f5_decoder_with_a_stock_producer() -> None:
+    """Decoders upgraded before producers: the F5 decoder READs each prompt once and
+    sends the stock producer a bare notification for each other child, so the producer
+    reads n notifications per prompt as it does from a stock decoder; the READ's comes
+    first, so the producer frees nothing under it. What a stock producer does with the
+    other n-1 (F2's bug: "Potentially invalid KV blocks", siblings held to the expiry)
+    is unchanged and not checked here."""
+    run = combination("f5-decoder-stock-producer")
+    run.check_reached()
+    for flow in run.flows:
+        remote, n = flow["remote_request_id"], flow["n"]
+        kinds = [event["event"] for event in run.reads[remote]]
+        assert kinds == ["read"] + ["notif_sent"] * (n - 1), f"{remote} (n={n}): {kinds}"
+    assert run.record["transfers"] == len(run.flows), run.record["transfers"]
+    violations = analysis.frees_while_read_outstanding(run.producer, run.decoder)
+    assert not violations, f"{len(violations)} block(s) freed under a READ: {violations[:5]}"
+
+
+def test_stock_decoder_with_an_f2_producer() -> None:
+    """Producers upgraded before decoders: the stock decoder READs once per child (F5's
+    bug), n notifications for the advertised sibling, and the F2 producer holds the
+    prompt's blocks until all n READs are in, then releases every sibling: nothing freed
+    under a READ, no invalid-KV line, nothing staged, KV usage 0 right after the drain."""
+    run = combination("stock-decoder-f2-producer")
+    run.check_reached()
+    for flow in run.flows:
+        remote, n = flow["remote_request_id"], flow["n"]
+        kinds = [event["event"] for event in run.reads[remote]]
+        assert kinds == ["read"] * n, f"{remote} (n={n}): {kinds}"
+    assert not analysis.frees_while_read_outstanding(run.producer, run.decoder)
+    assert run.record["invalid_lines"] == []
+    assert analysis.staged_after(run.producer, run.record["t_drained"]) == 0
+    assert run.record["usage_after_burst"] == 0.0
+
+
+def test_f5_decoder_reads_each_prompt_once_in_full() -> None:
+    """Bytes on the P/D link, same prompts, same roomy decoder: the F5 decoder READs each
+    prompt whole, once (one prompt's KV per prompt); the stock decoder READs it whole
+    once and then once more per other child, whole or, for a child admitted after the
+    first READ completed, the blocks the decoder's prefix cache does not hold yet (on
+    this CPU pair mostly the partial last block: children trickle in over the steps
+    of a READ of a few MiB on loopback, see README "One READ per prompt")."""
+    fixed = combination("f5-decoder-stock-producer")
+    stock = combination("stock-decoder-f2-producer")
+    whole = {sizes[0] for sizes in read_sizes(stock).values()}
+    assert len(whole) == 1, f"prompts of one length READ in different sizes: {read_sizes(stock)}"
+    assert all(sizes == [*whole] for sizes in read_sizes(fixed).values()), read_sizes(fixed)
+    for flow in stock.flows:
+        later = read_sizes(stock)[flow["remote_request_id"]][1:]
+        assert len(later) == flow["n"] - 1 and all(0 < size <= max(whole) for size in later)
+    assert stock.record["bytes_transferred"] > fixed.record["bytes_transferred"]
