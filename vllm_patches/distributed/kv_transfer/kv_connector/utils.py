@@ -36,8 +36,8 @@ class PromptReads:
 
     A decode engine splits an ``n > 1`` request into ``n`` children, each with its
     own copy of the prefill's kv_transfer_params, so each child would READ the
-    same remote blocks (seen in a real v0.21.0 pair: 12 READs, 22.5 MiB for two
-    prompts with n = 4 and 8, where one READ per prompt moves 3.75 MiB). A remote
+    same remote blocks (seen in a real v0.21.0 pair whose decoder had room for every
+    child: the 8 children of a 3-block prompt READ it whole 8 times). A remote
     prompt is named by (remote_engine_id, remote_request_id).
 
     Invariants:
