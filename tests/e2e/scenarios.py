@@ -225,9 +225,10 @@ POKE_GAP_S = 0.25
 # within milliseconds, and an idle producer reads their notifications in one step.)
 DECODER_SEQS = 4
 DECODER_BLOCKS = 1 + 2 * 3
-# A roomy decoder admits the children of every prompt of a burst in one step, as a
-# serving decoder with room does: none has a prefix hit yet, so stock READs each prompt
-# in full n times (F5's case). Room for a prompt with n=1, one with n=4 and one with n=8.
+# A roomy decoder admits every child as it arrives, as a serving decoder with room does:
+# a child scheduled before its prompt's first READ completed has no prefix hit, and stock
+# READs the whole prompt for it (F5's case; one scheduled later READs what the prefix
+# cache lacks). Room for a prompt with n=1, one with n=4 and one with n=8.
 ROOMY_DECODER_SEQS = 16
 # Tokens each child decodes (the partial block fills up, no new one): a wave lasts that
 # many decoder steps, over a second here, long enough for the producer (stepped every
