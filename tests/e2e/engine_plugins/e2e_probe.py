@@ -19,7 +19,11 @@ clock on Linux, so the lines of the scheduler and the worker processes compare):
   each READ a decoder posts (descriptors, its notification) and each bare notification;
 - worker (``NixlConnector.get_transfer_results``, or ``get_finished`` where it has none: what
   the model runner calls): ``nixl_state``: requests the producer holds and, where a fix
-  stages early notifications, how many are staged (when it changes).
+  stages early notifications, how many are staged (when it changes);
+- worker (the model runner's ``execute_model``, wrapped once the NIXL connector registers
+  the KV caches): ``prompt_kv``: the KV a request holds for its prompt, read from the
+  registered caches right after the step that completed its prompt: a digest of each
+  of its blocks (every layer), and whether its partial last block is fresh.
 
 The NIXL probes are installed only with ``VLLM_PATCHES_E2E_PROBE_NIXL=1``. With
 ``VLLM_PATCHES_E2E_NIXL_KV_CORE=C`` the CPU NIXL worker keeps its main thread on core C
@@ -181,10 +185,78 @@ def _probe_nixl() -> None:
     kv_core = os.environ.get("VLLM_PATCHES_E2E_NIXL_KV_CORE")
     if kv_core:
         _reserve_kv_core(int(kv_core))
+    def make_register_kv_caches(original: Any) -> Any:
+        def register_kv_caches(self: Any, kv_caches: Any) -> Any:
+            _probe_prompt_kv(kv_caches)
+            return original(self, kv_caches)
+        return register_kv_caches
+
     wrap(NixlWrapper, "get_new_notifs", make_get_new_notifs)
     wrap(NixlWrapper, "make_prepped_xfer", make_prepped_xfer)
     wrap(NixlWrapper, "send_notif", make_send_notif)
     wrap(NixlConnector, finished, make_get_finished)
+    wrap(NixlConnector, "register_kv_caches", make_register_kv_caches)
+
+
+def _probe_prompt_kv(kv_caches: dict[str, Any]) -> None:
+    """Record ``prompt_kv`` for each request of this worker (see the module docstring).
+
+    Installed from the worker process once its KV caches exist, so the model runner's
+    module is already loaded there and no other process imports it. Reads whole blocks
+    of the one KV-cache group of a plain attention model (each layer's cache has one
+    axis of ``num_blocks``): how a kernel lays out the slots inside a block is its own
+    (the CPU backend's changed between v0.21 and v0.32), so the prompt's part of the
+    last block cannot be told from what an earlier holder left in the rest of it. The
+    event says whether that block is fresh (no request of this worker held it before):
+    only then do its bytes depend on the prompt alone.
+    """
+    import hashlib
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    layers = [kv_caches[name] for name in sorted(kv_caches)]
+    recorded: set[str] = set()
+    held: set[int] = set()  # every block a request of this worker has held
+
+    def block_bytes(runner: Any, block: int) -> str:
+        """A digest of ``block`` in every layer."""
+        sha = hashlib.sha1()
+        for layer in layers:
+            axis = tuple(layer.shape).index(runner.kv_cache_config.num_blocks)
+            sha.update(layer.select(axis, block).contiguous().numpy().tobytes())
+        return sha.hexdigest()[:16]
+
+    def record(runner: Any, req_id: str, state: Any) -> None:
+        full, last = divmod(state.num_prompt_tokens, runner.cache_config.block_size)
+        blocks = list(state.block_ids[0][:full + bool(last)])
+        tokens = hashlib.sha1(repr(list(state.prompt_token_ids)).encode()).hexdigest()[:16]
+        emit("prompt_kv", req=req_id, prompt=tokens, blocks=blocks,
+             full=[block_bytes(runner, block) for block in blocks[:full]],
+             tail=[block_bytes(runner, block) for block in blocks[full:]],
+             tail_fresh=not held.intersection(blocks[full:]))
+
+    def make_execute_model(original: Any) -> Any:
+        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, scheduler_output, *args, **kwargs)
+            # Tokens computed before this step, as the scheduler sent them.
+            cached = scheduler_output.scheduled_cached_reqs
+            before = dict(zip(cached.req_ids, cached.num_computed_tokens))
+            before.update((new.req_id, new.num_computed_tokens)
+                          for new in scheduler_output.scheduled_new_reqs)
+            for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+                state = self.requests.get(req_id)
+                if req_id in recorded or state is None or state.prompt_token_ids is None:
+                    continue
+                # The CPU runner has written the step's KV when it returns.
+                if before.get(req_id, 0) + scheduled >= state.num_prompt_tokens:
+                    recorded.add(req_id)
+                    record(self, req_id, state)
+            for state in self.requests.values():
+                held.update(state.block_ids[0])
+            return result
+        return execute_model
+
+    wrap(GPUModelRunner, "execute_model", make_execute_model)
 
 
 def _poll_nixl_progress_every(agent_class: type, microseconds: int) -> None:
