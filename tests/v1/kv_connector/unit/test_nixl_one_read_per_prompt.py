@@ -11,8 +11,9 @@ children of a 3-block prompt READ it whole 8 times). The next step after PR 4350
 whose producer-side release assumes a decoder that reads once.
 
 These tests drive the scheduler directly, with the NIXL connector's scheduler side
-(no NIXL agent is involved: what a worker would do is read off the connector
-metadata each step). One child reads; the others wait for its KV, take the full
+(what a worker would do is read off the connector metadata each step; one test
+also hands that metadata to a decode worker, upstream's fake NIXL worker and
+agent, for equal and heterogeneous TP sizes). One child reads; the others wait for its KV, take the full
 blocks from the decoder's prefix cache (the same physical blocks) and compute the
 rest, and the connector sends the producer one notification-only entry for each,
 so the producer's count of reads completes as it does with ``n`` READs. The others
@@ -20,17 +21,34 @@ check that nobody waits forever: a reader that is aborted, a load that fails, no
 prefix cache, or the switch off all end in each child getting its KV, as upstream.
 """
 
+import contextlib
 import copy
+import importlib
+import os
+import tempfile
+import time
+from collections import defaultdict
+from types import ModuleType
 
+import numpy as np
 import pytest
 
+from vllm.config import set_current_vllm_config
+from vllm.distributed import (
+    cleanup_dist_env_and_memory,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
+from .test_nixl_connector import FakeNixlConnectorWorker, FakeNixlWrapper
 from .utils import (
     create_model_runner_output,
     create_request,
     create_scheduler,
     create_vllm_config,
+    make_kv_cache_config,
 )
 
 pytestmark = pytest.mark.cpu_test
@@ -39,9 +57,10 @@ pytestmark = pytest.mark.cpu_test
 FULL_BLOCKS = 2
 
 
-def make_children(n: int, block_size: int, first_id: int = 1) -> list:
+def make_children(n: int, block_size: int, first_id: int = 1, **overrides) -> list:
     """``n`` decode requests as a decode engine makes them from one ``n > 1``
-    request: the same prompt, each with its own copy of one prefill's params."""
+    request: the same prompt, each with its own copy of one prefill's params
+    (``overrides`` replaces some of them)."""
     num_tokens = int(block_size * (FULL_BLOCKS + 0.5))
     children = []
     for i in range(n):
@@ -54,16 +73,16 @@ def make_children(n: int, block_size: int, first_id: int = 1) -> list:
         )
         params = copy.deepcopy(child.kv_transfer_params)
         params["remote_request_id"] = "0_cmpl-parent-fb4bc0e0"
-        child.kv_transfer_params = params
+        child.kv_transfer_params = {**params, **overrides}
         children.append(child)
     return children
 
 
-def queued_children(vllm_config, n: int) -> tuple:
+def queued_children(vllm_config, n: int, **overrides) -> tuple:
     """A scheduler on ``vllm_config`` with ``n`` children of one remote prompt
     waiting in it."""
     scheduler = create_scheduler(vllm_config)
-    children = make_children(n, vllm_config.cache_config.block_size)
+    children = make_children(n, vllm_config.cache_config.block_size, **overrides)
     for child in children:
         scheduler.add_request(child)
     return scheduler, children
@@ -88,6 +107,9 @@ class Pulls:
         self.reads: dict[str, int] = {}
         self.notified: list[str] = []
 
+    def load(self, metadata) -> None:
+        """What a decode worker is given each step (nothing here)."""
+
     def step(
         self,
         scheduler,
@@ -99,6 +121,7 @@ class Pulls:
         complete in it, those in ``failed`` with every block invalid. Returns the
         READs started in this step."""
         output = scheduler.schedule()
+        self.load(nixl_metadata(output))
         started = set()
         for req_id, meta in nixl_metadata(output).reqs_to_recv.items():
             blocks = block_count(meta.local_block_ids)
@@ -272,3 +295,203 @@ def test_prompts_of_different_prefills_are_read_each():
     )
     pulls.run(scheduler, (*first, *second), loading=started)
     assert computed((*first, *second))
+
+
+_V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
+
+
+def nixl_modules() -> tuple[ModuleType, ModuleType]:
+    """The module with ``NixlConnector`` and the one that defines its worker (where
+    upstream's tests patch ``NixlWrapper`` and the TP world size):
+    ``nixl_connector.py`` up to v0.19; the ``nixl`` package from v0.20, its worker
+    in ``nixl/worker.py`` up to v0.23 and ``nixl/base_worker.py`` from v0.24."""
+    for connector, worker in (
+        ("nixl", "nixl.base_worker"),
+        ("nixl", "nixl.worker"),
+        ("nixl_connector", "nixl_connector"),
+    ):
+        with contextlib.suppress(ImportError):
+            return (
+                importlib.import_module(f"{_V1}.{connector}"),
+                importlib.import_module(f"{_V1}.{worker}"),
+            )
+    raise ImportError("no NIXL connector module")
+
+
+def register_local_blocks(worker) -> None:
+    """The local registration that upstream's
+    ``test_prefill_tp_size_greater_than_decode_tp_size`` sets in place of
+    ``register_kv_caches``: one region, which ``add_remote_agent`` splits per
+    producer rank when prefill TP > decode TP. From v0.24 a row also holds the
+    block stride and the number of blocks."""
+    block_len = 4096 * worker.block_size
+    if isinstance(getattr(worker, "src_blocks_data", None), np.ndarray):
+        num_blocks = worker.kv_cache_config.num_blocks
+        row = (0, block_len, worker.tp_rank, block_len, num_blocks)
+        worker.src_blocks_data = np.array([row], dtype=np.uint64)
+        worker.num_descs = num_blocks
+    else:
+        worker.src_blocks_data = [(0, block_len, worker.tp_rank)]
+        worker.num_descs = 1
+
+
+class ProducerRanks(FakeNixlWrapper):
+    """Upstream's fake NIXL agent, naming each remote agent it adds (one per
+    producer rank the decode worker maps to) and recording, per agent, the READs
+    posted to it and the notifications it gets: each READ's own and send_notif's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.agents: list[str] = []
+        self.agent_of_dlist: dict[int, str] = {}
+        self.reads: defaultdict[str, int] = defaultdict(int)
+        self.notifs: defaultdict[str, list[bytes]] = defaultdict(list)
+
+    def add_remote_agent(self, agent_metadata: bytes) -> str:
+        self.agents.append(f"producer-agent-{len(self.agents)}")
+        return self.agents[-1]
+
+    def prep_xfer_dlist(self, agent_name: str, descs, *args, **kwargs) -> int:
+        handle = super().prep_xfer_dlist(agent_name, descs, *args, **kwargs)
+        self.agent_of_dlist[handle] = agent_name
+        return handle
+
+    def send_notif(self, agent_name: str, notif_msg: bytes) -> None:
+        self.notifs[agent_name].append(notif_msg)
+
+    def make_prepped_xfer(
+        self,
+        xfer_type: str,
+        local_xfer_side_handle: int,
+        local_block_descs_ids: list[int],
+        remote_xfer_side_handle: int,
+        remote_block_descs_ids: list[int],
+        notif_msg: bytes | None = None,
+    ) -> int:
+        agent = self.agent_of_dlist[remote_xfer_side_handle]
+        self.reads[agent] += 1
+        if notif_msg is not None:
+            self.notifs[agent].append(notif_msg)
+        return super().make_prepped_xfer(
+            xfer_type,
+            local_xfer_side_handle,
+            local_block_descs_ids,
+            remote_xfer_side_handle,
+            remote_block_descs_ids,
+            notif_msg=notif_msg,
+        )
+
+    def prompt_notifs(self, agent: str, remote_request_id: str) -> list[bytes]:
+        """The notifications that complete a read of ``remote_request_id``."""
+        return [
+            msg
+            for msg in self.notifs[agent]
+            if msg.rsplit(b":", 1)[0] == remote_request_id.encode()
+        ]
+
+
+class WorkerPulls(Pulls):
+    """Pulls whose connector metadata also goes to a decode worker each step."""
+
+    def __init__(self, worker, metadata_cls) -> None:
+        super().__init__()
+        self.worker = worker
+        self.metadata_cls = metadata_cls
+
+    def load(self, metadata) -> None:
+        self.worker.start_load_kv(metadata)
+
+    def settle(self, done, timeout: float = 10.0) -> None:
+        """Let the background NIXL handshake finish and the worker start the
+        requests that waited for it, until ``done()`` or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self.worker.start_load_kv(self.metadata_cls())
+        self.worker.start_load_kv(self.metadata_cls())
+
+
+@pytest.fixture
+def gloo_world():
+    """A torch.distributed world of size 1 on CPU, as a decode worker needs."""
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    try:
+        with set_current_vllm_config(create_vllm_config()):
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                distributed_init_method=f"file://{path}",
+                local_rank=0,
+                backend="gloo",
+            )
+            initialize_model_parallel(1, 1)
+        yield
+    finally:
+        cleanup_dist_env_and_memory()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+@pytest.mark.parametrize(("decode_tp", "prefill_tp"), [(1, 1), (1, 2), (1, 4), (2, 1)])
+def test_one_read_per_producer_rank_with_heterogeneous_tp(
+    decode_tp, prefill_tp, gloo_world, monkeypatch
+):
+    """Equal and heterogeneous TP, decode rank 0 on upstream's fake NIXL worker
+    and agent: the n children of one prompt post one READ to each producer rank
+    that the decode rank maps to, and each of those ranks gets n notifications
+    ``<remote request id>:<decode TP size>`` (the READ's own and n - 1 from the
+    full-prefix-hit path). A producer rank waiting for n * decode TP of them (one
+    per READ, stock or with PR 43509's sibling release) completes as after n
+    READs. Stock: n READs per producer rank."""
+    n = 4
+    connector_module, worker_module = nixl_modules()
+    monkeypatch.setattr(worker_module, "NixlWrapper", ProducerRanks)
+    monkeypatch.setattr(
+        worker_module, "get_tensor_model_parallel_world_size", lambda: decode_tp
+    )
+    vllm_config = create_vllm_config()
+    kv_cache_config = make_kv_cache_config(
+        block_size=vllm_config.cache_config.block_size
+    )
+    with set_current_vllm_config(vllm_config):
+        connector = connector_module.NixlConnector(
+            vllm_config, KVConnectorRole.WORKER, kv_cache_config
+        )
+        connector.connector_worker = FakeNixlConnectorWorker(
+            vllm_config,
+            connector.engine_id,
+            hand_shake_latency=0,
+            kv_cache_config=kv_cache_config,
+        )
+    worker = connector.connector_worker
+    register_local_blocks(worker)
+    agent = worker.nixl_wrapper
+    assert isinstance(agent, ProducerRanks)
+    scheduler, children = queued_children(
+        vllm_config,
+        n,
+        remote_engine_id=FakeNixlConnectorWorker.REMOTE_ENGINE_ID,
+        remote_block_ids=(list(range(FULL_BLOCKS + 1)),),  # one KV cache group
+        tp_size=prefill_tp,
+    )
+    remote_request_id = children[0].kv_transfer_params["remote_request_id"]
+
+    pulls = WorkerPulls(worker, connector_module.NixlConnectorMetadata)
+    pulls.run(scheduler, children)
+
+    def notified() -> dict[str, list[bytes]]:
+        return {p: agent.prompt_notifs(p, remote_request_id) for p in agent.agents}
+
+    pulls.settle(lambda: bool(notified()) and min(map(len, notified().values())) >= n)
+    connector.shutdown()
+
+    producers = agent.agents
+    assert len(producers) == max(1, prefill_tp // decode_tp)
+    reads = {p: agent.reads[p] for p in producers}
+    assert reads == dict.fromkeys(producers, 1), (
+        f"READs per producer rank of one prompt by its {n} children (decode TP "
+        f"{decode_tp}, prefill TP {prefill_tp}): {reads}"
+    )
+    completes = [f"{remote_request_id}:{decode_tp}".encode()] * n
+    assert notified() == dict.fromkeys(producers, completes)
