@@ -11,14 +11,15 @@ children of a 3-block prompt READ it whole 8 times). The next step after PR 4350
 whose producer-side release assumes a decoder that reads once.
 
 These tests drive the scheduler directly, with the NIXL connector's scheduler side
-(what a worker would do is read off the connector metadata each step; one test
-also hands that metadata to a decode worker, upstream's fake NIXL worker and
-agent, for equal and heterogeneous TP sizes). One child reads; the others wait for its KV, take the full
-blocks from the decoder's prefix cache (the same physical blocks) and compute the
-rest, and the connector sends the producer one notification-only entry for each,
-so the producer's count of reads completes as it does with ``n`` READs. The others
-check that nobody waits forever: a reader that is aborted, a load that fails, no
-prefix cache, or the switch off all end in each child getting its KV, as upstream.
+(what a worker would do is read off the connector metadata each step; one test also
+hands that metadata to a decode worker, upstream's fake NIXL worker and agent, for
+equal and heterogeneous TP sizes). One child reads; the others wait for its KV, take
+the full blocks from the decoder's prefix cache (the same physical blocks) and
+compute the rest, and the connector sends the producer one notification-only entry
+for each, so the producer's count of reads completes as it does with ``n`` READs.
+The others check that nobody waits forever: a reader that is aborted, a load that
+fails, no prefix cache, or the switch off all end in each child getting its KV, as
+upstream.
 """
 
 import contextlib
@@ -114,8 +115,8 @@ class Pulls:
         self,
         scheduler,
         children,
-        failed: set[str] = frozenset(),
-        loaded: set[str] | None = None,
+        failed: frozenset[str] | set[str] = frozenset(),
+        loaded: frozenset[str] | set[str] | None = None,
     ) -> set[str]:
         """One scheduler step; the READs started in the step before (``loaded``)
         complete in it, those in ``failed`` with every block invalid. Returns the
@@ -147,8 +148,8 @@ class Pulls:
         scheduler,
         children,
         steps: int = 8,
-        failed: set[str] = frozenset(),
-        loading: set[str] = frozenset(),
+        failed: frozenset[str] | set[str] = frozenset(),
+        loading: frozenset[str] | set[str] = frozenset(),
     ) -> None:
         """``steps`` steps; the READs in ``loading`` (started before) complete first."""
         for _ in range(steps):
