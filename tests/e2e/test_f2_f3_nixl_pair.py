@@ -293,21 +293,17 @@ COMBINATION = pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_every_child_holds_the_prompt_kv_the_producer_computed(
         mode: str, connector: str, name: str | None) -> None:
     """Every one of the decoder's n children of a prompt holds, right after the step that
-    completed its prompt, the advertised sibling's KV bit for bit (block contents, every
-    layer; not generated text: the weights are dummy): stock children each READ the
-    prompt into blocks of their own; F5's other children hold the reader's full blocks
-    and compute the partial last block themselves.
+    completed its prompt, the advertised sibling's full blocks bit for bit (block
+    contents, every layer; not generated text: the weights are dummy): stock children
+    each READ the prompt into blocks of their own, F5's other children hold the reader's.
 
-    The full blocks are compared in every run. The partial last block only in the runs
-    of the roomy decoder, where every block is fresh: a block's bytes past the prompt are
-    whatever its earlier holder left (the loaded decoder reuses its 7 blocks), and the
-    CPU kernel's layout inside a block is its own, so the prompt's slots cannot be cut
-    out. There F5's recomputed block comes out bit for bit the producer's (measured,
-    v0.21.0 and v0.32.0; a GPU's kernels need not)."""
+    The partial last block is not compared: every decoder computes the prompt's last
+    token again, F5's other children the whole partial block, and on CPU that result
+    depends on the batch it ran in (equal bit for bit in the runs of 2026-11-24, in a
+    clean CI run of the same code different for one child of each combination)."""
     run = burst(mode, connector, name)
     run.check_reached()
-    problems = analysis.prompt_kv_problems(run.producer, run.decoder, run.flows,
-                                           last_block=name is not None)
+    problems = analysis.prompt_kv_problems(run.producer, run.decoder, run.flows)
     assert not problems, problems
 
 

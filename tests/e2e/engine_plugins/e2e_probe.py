@@ -23,7 +23,7 @@ clock on Linux, so the lines of the scheduler and the worker processes compare):
 - worker (the model runner's ``execute_model``, wrapped once the NIXL connector registers
   the KV caches): ``prompt_kv``: the KV a request holds for its prompt, read from the
   registered caches right after the step that completed its prompt: a digest of each
-  of its blocks (every layer), and whether its partial last block is fresh.
+  block of it that its last token is not in (every layer).
 
 The NIXL probes are installed only with ``VLLM_PATCHES_E2E_PROBE_NIXL=1``. With
 ``VLLM_PATCHES_E2E_NIXL_KV_CORE=C`` the CPU NIXL worker keeps its main thread on core C
@@ -204,11 +204,11 @@ def _probe_prompt_kv(kv_caches: dict[str, Any]) -> None:
     Installed from the worker process once its KV caches exist, so the model runner's
     module is already loaded there and no other process imports it. Reads whole blocks
     of the one KV-cache group of a plain attention model (each layer's cache has one
-    axis of ``num_blocks``): how a kernel lays out the slots inside a block is its own
-    (the CPU backend's changed between v0.21 and v0.32), so the prompt's part of the
-    last block cannot be told from what an earlier holder left in the rest of it. The
-    event says whether that block is fresh (no request of this worker held it before):
-    only then do its bytes depend on the prompt alone.
+    axis of ``num_blocks``; how a kernel lays out the slots inside a block is its own).
+    Full blocks only: a decoder computes the prompt's last token again (and F5's other
+    children the whole partial last block), and on CPU that result depends on the batch
+    it ran in, so the partial block need not equal the producer's bit for bit (a clean
+    CI run showed it differ, where other runs had it equal).
     """
     import hashlib
 
@@ -216,7 +216,6 @@ def _probe_prompt_kv(kv_caches: dict[str, Any]) -> None:
 
     layers = [kv_caches[name] for name in sorted(kv_caches)]
     recorded: set[str] = set()
-    held: set[int] = set()  # every block a request of this worker has held
 
     def block_bytes(runner: Any, block: int) -> str:
         """A digest of ``block`` in every layer."""
@@ -227,13 +226,12 @@ def _probe_prompt_kv(kv_caches: dict[str, Any]) -> None:
         return sha.hexdigest()[:16]
 
     def record(runner: Any, req_id: str, state: Any) -> None:
-        full, last = divmod(state.num_prompt_tokens, runner.cache_config.block_size)
-        blocks = list(state.block_ids[0][:full + bool(last)])
+        # The blocks without the prompt's last token (the decoder computes that one).
+        full = (state.num_prompt_tokens - 1) // runner.cache_config.block_size
+        blocks = list(state.block_ids[0][:full])
         tokens = hashlib.sha1(repr(list(state.prompt_token_ids)).encode()).hexdigest()[:16]
         emit("prompt_kv", req=req_id, prompt=tokens, blocks=blocks,
-             full=[block_bytes(runner, block) for block in blocks[:full]],
-             tail=[block_bytes(runner, block) for block in blocks[full:]],
-             tail_fresh=not held.intersection(blocks[full:]))
+             full=[block_bytes(runner, block) for block in blocks])
 
     def make_execute_model(original: Any) -> Any:
         def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -251,8 +249,6 @@ def _probe_prompt_kv(kv_caches: dict[str, Any]) -> None:
                 if before.get(req_id, 0) + scheduled >= state.num_prompt_tokens:
                     recorded.add(req_id)
                     record(self, req_id, state)
-            for state in self.requests.values():
-                held.update(state.block_ids[0])
             return result
         return execute_model
 
