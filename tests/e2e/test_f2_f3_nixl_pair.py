@@ -160,8 +160,14 @@ class Burst:
         return sum(len(self.reads[f["remote_request_id"]]) - 1 for f in self.flows)
 
 
-@functools.cache
 def burst(mode: str, connector: str, combination: str | None = None) -> Burst:
+    """The run of the pair these arguments name, made once for every test that names it
+    (with or without an explicit ``combination=None``: each run takes minutes)."""
+    return _burst(mode, connector, combination)
+
+
+@functools.cache
+def _burst(mode: str, connector: str, combination: str | None) -> Burst:
     return Burst(mode, connector, combination)
 
 
