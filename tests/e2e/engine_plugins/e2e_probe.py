@@ -179,18 +179,18 @@ def _probe_nixl() -> None:
             return result
         return get_finished
 
-    poll_us = os.environ.get("VLLM_PATCHES_E2E_NIXL_POLL_US")
-    if poll_us:
-        _poll_nixl_progress_every(NixlWrapper, int(poll_us))
-    kv_core = os.environ.get("VLLM_PATCHES_E2E_NIXL_KV_CORE")
-    if kv_core:
-        _reserve_kv_core(int(kv_core))
     def make_register_kv_caches(original: Any) -> Any:
         def register_kv_caches(self: Any, kv_caches: Any) -> Any:
             _probe_prompt_kv(kv_caches)
             return original(self, kv_caches)
         return register_kv_caches
 
+    poll_us = os.environ.get("VLLM_PATCHES_E2E_NIXL_POLL_US")
+    if poll_us:
+        _poll_nixl_progress_every(NixlWrapper, int(poll_us))
+    kv_core = os.environ.get("VLLM_PATCHES_E2E_NIXL_KV_CORE")
+    if kv_core:
+        _reserve_kv_core(int(kv_core))
     wrap(NixlWrapper, "get_new_notifs", make_get_new_notifs)
     wrap(NixlWrapper, "make_prepped_xfer", make_prepped_xfer)
     wrap(NixlWrapper, "send_notif", make_send_notif)
