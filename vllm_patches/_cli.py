@@ -249,12 +249,12 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     rows = _matrix.compute(series, releases)
     sys.stdout.write(_matrix.render(series, rows, uncovered))
     if args.write_readme:
-        readme = _series.REPO_DIR / "README.md"
-        if not readme.is_file():
-            raise UserError(f"{readme}: no such file (run from a vllm-patches checkout)")
-        readme.write_text(_matrix.replace_section(readme.read_text(),
-                                                  _matrix.readme_section(series, rows)))
-        print(f"wrote the matrix into {readme}")
+        doc = _series.REPO_DIR / _matrix.DOC
+        if not doc.is_file():
+            raise UserError(f"{doc}: no such file (run from a vllm-patches checkout)")
+        doc.write_text(_matrix.replace_section(doc.read_text(),
+                                               _matrix.generated_section(series, rows)))
+        print(f"wrote the matrix into {doc}")
     broken = [r for r in rows if any(c.state in _matrix.PROBLEMS for c in r.cells.values())]
     return EXIT_REFUSED if broken or uncovered else EXIT_OK
 
@@ -367,7 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = verb("matrix", cmd_matrix, "per covered release: does each fix splice, is it "
                                      "upstream, or not needed")
     sub.add_argument("--write-readme", action="store_true",
-                     help="also write the table into README.md's generated section")
+                     help="also write the table into the generated section of "
+                          "docs/supported-releases.md (README links to it; the option keeps "
+                          "its name from when README held the table)")
     sub.add_argument("--cached-only", action="store_true",
                      help="only the releases already fetched (no network)")
 

@@ -1,4 +1,5 @@
-"""The compatibility matrix, and README's generated section kept in sync with it."""
+"""The compatibility matrix, and its generated section (docs/supported-releases.md) kept in
+sync with it."""
 
 import dataclasses
 
@@ -11,16 +12,16 @@ from vllm_patches._errors import UserError
 from vllm_patches._patchset import PatchSet
 
 SERIES = _series.load()
-README = _series.REPO_DIR / "README.md"
+DOC = _series.REPO_DIR / _matrix.DOC
 SUPPORTED = SERIES.supported
 
 
-def readme() -> str:
-    return README.read_text()
+def doc() -> str:
+    return DOC.read_text()
 
 
-def test_readme_section_lists_every_covered_release():
-    rows = _matrix.readme_rows(readme())
+def test_generated_section_lists_every_covered_release():
+    rows = _matrix.generated_rows(doc())
     assert list(rows) == list(SERIES.covered)
     assert all(release in SUPPORTED for release in rows)
     for release, line in rows.items():
@@ -30,7 +31,7 @@ def test_readme_section_lists_every_covered_release():
 
 def committed_row(release: Version) -> _matrix.Row:
     """The row the committed patches give: `regen --check` (CI) proves they are what the
-    overlays generate, so README's rows follow from them without splicing again."""
+    overlays generate, so the generated rows follow from them without splicing again."""
     patched = {patch.fix.id for patch in PatchSet.load(SERIES, release).patches}
     cells = {}
     for fix in SERIES.fixes:
@@ -44,10 +45,10 @@ def committed_row(release: Version) -> _matrix.Row:
 
 
 @pytest.mark.parametrize("release", SERIES.covered, ids=str)
-def test_readme_rows_match_the_committed_patches(release):
-    assert _matrix.readme_rows(readme())[release] == _matrix.render_row(committed_row(release)), \
+def test_generated_rows_match_the_committed_patches(release):
+    assert _matrix.generated_rows(doc())[release] == _matrix.render_row(committed_row(release)), \
         "stale: run `vllm-patches matrix --write-readme`"
-    assert _matrix.readme_notes(readme(), release) == []
+    assert _matrix.generated_notes(doc(), release) == []
 
 
 def test_the_generated_row_of_the_default_lane_matches_the_committed_one(pristine_v0_21_0):
@@ -67,8 +68,8 @@ def test_a_release_of_the_range_that_is_not_covered_is_a_problem(capsys, monkeyp
     assert "v0.99.0" not in out
 
 
-def test_readme_legend_matches_the_series():
-    section = _matrix.SECTION.search(readme()).group(1)
+def test_generated_legend_matches_the_series():
+    section = _matrix.SECTION.search(doc()).group(1)
     legend = _matrix.render(SERIES, []).split("\n\n", 1)[1]
     assert legend in section
 
@@ -110,12 +111,12 @@ def test_render_and_replace_section():
     rows = [_matrix.Row(Version("0.18.0"), {"F1": _matrix.Cell(_matrix.PATCH)}, False),
             _matrix.Row(Version("0.24.0"), {"F1": _matrix.Cell(_series.Need.UPSTREAM.value, "since")}, True)]
     series = _series.Series((SERIES.fix("F1"),), SERIES.lanes)
-    section = _matrix.readme_section(series, rows)
-    text = f"# x\n\nbefore\n\n{_matrix.README_BEGIN}\nold\n{_matrix.README_END}\n\nafter\n"
+    section = _matrix.generated_section(series, rows)
+    text = f"# x\n\nbefore\n\n{_matrix.BEGIN}\nold\n{_matrix.END}\n\nafter\n"
     replaced = _matrix.replace_section(text, section)
     assert replaced.startswith("# x\n\nbefore\n\n") and replaced.endswith("\n\nafter\n")
     assert "| v0.18.0 | patch |\n| v0.24.0 (lane) | upstream |\n" in replaced
-    assert list(_matrix.readme_rows(replaced)) == [Version("0.18.0"), Version("0.24.0")]
+    assert list(_matrix.generated_rows(replaced)) == [Version("0.18.0"), Version("0.24.0")]
     with pytest.raises(UserError, match="no <!-- matrix:begin -->"):
         _matrix.replace_section("no section", section)
 
@@ -138,3 +139,20 @@ def test_matrix_command_exits_1_on_a_conflict(capsys, monkeypatch, pristine_v0_2
     assert _cli.main(["matrix", "--cached-only"]) == EXIT_REFUSED
     assert "- v0.21.0 F1 conflict: spliced vllm/x.py is not ruff-formatted" in \
         capsys.readouterr().out
+
+
+def test_write_readme_writes_the_section_of_the_doc_that_holds_it(tmp_path, capsys, monkeypatch):
+    """`--write-readme` keeps its name, but the table lives in docs/supported-releases.md
+    (README links to it): that file's section is replaced, the text around it kept."""
+    target = tmp_path / _matrix.DOC
+    target.parent.mkdir()
+    target.write_text(f"# Supported releases\n\n{_matrix.BEGIN}\nold\n{_matrix.END}\n\nafter\n")
+    monkeypatch.setattr(_series, "REPO_DIR", tmp_path)
+    monkeypatch.setattr(_releases, "sdist_releases", lambda: list(SERIES.covered))
+    monkeypatch.setattr(_matrix, "compute",
+                        lambda series, releases: [committed_row(r) for r in releases])
+    assert _cli.main(["matrix", "--write-readme"]) == EXIT_OK
+    assert f"wrote the matrix into {target}" in capsys.readouterr().out
+    written = target.read_text()
+    assert written.startswith("# Supported releases\n\n") and written.endswith("\n\nafter\n")
+    assert _matrix.SECTION.search(written).group(0) == _matrix.SECTION.search(doc()).group(0)

@@ -112,15 +112,16 @@ def test_patches_dir_holds_exactly_the_covered_releases():
 
 
 def test_ranges_read_lower_bound_first_everywhere(capsys):
-    """Issue 11, item 10: `list` wrote <0.24.0,>=0.18.0 where README writes >=0.18.0,<0.24.0."""
+    """Issue 11, item 10: `list` wrote <0.24.0,>=0.18.0 where the docs write >=0.18.0,<0.24.0
+    (the matrix's legend, docs/supported-releases.md, which README links to)."""
     from vllm_patches._cli import main
 
     assert SERIES.fix("F1").describe_needed() == ">=0.18.0,<0.24.0"
     main(["list"])
     out = capsys.readouterr().out
     assert "needed on vLLM >=0.18.0,<0.24.0;" in out and "<0.24.0,>=0.18.0" not in out
-    readme = (REPO / "README.md").read_text()
-    assert ">=0.18.0,<0.24.0" in readme and "<0.24.0,>=0.18.0" not in readme
+    docs = "".join(path.read_text() for path in [REPO / "README.md", *(REPO / "docs").glob("*.md")])
+    assert ">=0.18.0,<0.24.0" in docs and "<0.24.0,>=0.18.0" not in docs
 
 
 # Every release a fix's range or a deselect's range can name (vLLM is 0.x: 0.0.0 .. 0.99.9).
