@@ -16,7 +16,7 @@ Usage:
       that lane does);
   .venv/bin/python benchmarks/bench_f2_load.py --from-lane [--release v0.32.0] [--png F]
       renders the records the real-engine lane's load test left in the build dir
-      (what README's table comes from: a clean clone's CI run), runs nothing.
+      (what the table in docs/measurements.md comes from: a clean clone's CI run), runs nothing.
 """
 
 from __future__ import annotations

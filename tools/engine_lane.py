@@ -92,7 +92,7 @@ ENGINE_SETTINGS = {
                                       pair_connectors=("NixlConnector", "MultiConnector"),
                                       quiet_roles=("API server",)),
 }
-# Releases with a real-engine lane, and why no other: see README ("Real-engine lane").
+# Releases with a real-engine lane, and why no other: docs/real-engine-lane.md ("Which releases").
 ENGINE_RELEASES = [Version("0.21.0"), Version("0.32.0")]
 # Next to the fetched release sources ($VLLM_PATCHES_CACHE, default ~/.cache/vllm-patches).
 WHEELHOUSE = _releases.cache_root() / "wheels"

@@ -380,7 +380,7 @@ def test_f5_decoder_reads_each_prompt_once_in_full() -> None:
     once and then once more per other child, whole or, for a child admitted after the
     first READ completed, the blocks the decoder's prefix cache does not hold yet (on
     this CPU pair mostly the partial last block: children trickle in over the steps
-    of a READ of a few MiB on loopback, see README "One READ per prompt")."""
+    of a READ of a few MiB on loopback, see docs/measurements.md, "In the NIXL pair" of F5)."""
     fixed = combination("f5-decoder-stock-producer")
     stock = combination("stock-decoder-f2-producer")
     whole = {sizes[0] for sizes in read_sizes(stock).values()}
