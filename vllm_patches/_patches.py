@@ -130,7 +130,8 @@ def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]
     base = _git.head(tree)
     upstream_commit = _releases.upstream_commit(tree)
     applicable = series.applicable(release)
-    check_bounds(_series.PACKAGE_DIR / overlay for fix in applicable for overlay in fix.overlays)
+    check_bounds((_series.PACKAGE_DIR / overlay for fix in applicable for overlay in fix.overlays),
+                 {fix.id for fix in applicable})
     with _git.commits(tree, base, PATCH_COMMITS.env(), isolated=True) as commits:
         for number, fix in enumerate(applicable, start=1):
             sources = spliced_sources(tree, base, applicable[:number], release)
