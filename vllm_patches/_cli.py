@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from vllm_patches._errors import Refused, UserError
+from vllm_patches._words import count
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -200,7 +201,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
             files = _patches.render(series, release, _releases.fetch(release))
         existing = _patchset.committed(release)
         if files == existing:
-            print(f"v{release}: up to date ({_patch_count(files)} patches)")
+            print(f"v{release}: up to date ({count(_patch_count(files), 'patch', 'patches')})")
             continue
         if args.check:
             changed = sorted(name for name in files.keys() | existing.keys()
@@ -213,7 +214,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
             (directory / name).unlink()
         for name, text in files.items():
             (directory / name).write_text(text)
-        print(f"v{release}: wrote {_patch_count(files)} patches to {directory}")
+        print(f"v{release}: wrote {count(_patch_count(files), 'patch', 'patches')} to {directory}")
     if stale:
         raise Refused("patches/ is stale, run `vllm-patches regen`: " + "; ".join(stale))
     return EXIT_OK
@@ -273,7 +274,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print("\n".join(_cache.report(series)))
         return EXIT_OK
     print(f"removed {_cache.human(sum(e.size for e in removed))} "
-          f"({len(removed)} items) from {_cache.root()}")
+          f"({count(len(removed), 'item')}) from {_cache.root()}")
     return EXIT_OK
 
 

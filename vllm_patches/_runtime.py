@@ -55,6 +55,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_patches import _install, _series
 from vllm_patches._install import ActivationError, PartlyInstalled
 from vllm_patches._series import Need, Series
+from vllm_patches._words import count
 
 if TYPE_CHECKING:
     from vllm_patches._install import Installed
@@ -189,7 +190,8 @@ def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
     wanted = [part.strip() for part in raw.split(",") if part.strip()]
     unknown = [fix_id for fix_id in wanted if fix_id not in known]
     if unknown:
-        raise ActivationError(f"{ENV_FIXES} names unknown fix(es) {', '.join(unknown)} "
+        raise ActivationError(f"{ENV_FIXES} names unknown {count(len(unknown), 'fix', 'fixes')} "
+                              f"{', '.join(unknown)} "
                               f"(the series has {', '.join(known)})")
     return [fix_id for fix_id in known if fix_id in wanted]
 
@@ -266,7 +268,7 @@ def release_basis(text: str, series: Series, ids: list[str], allow_unsupported: 
             differ = _fingerprint.differences(expected, actual, ids)
             if not differ:
                 return Basis(str(public), candidate, VERIFIED,
-                             f"{len(compared)} definitions compared")
+                             f"{count(len(compared), 'definition')} compared")
             shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if differ[3:] else "")
             why = (f"vLLM v{public} is not a covered release, and its code differs from "
                    f"v{candidate}'s at {shown}")
