@@ -55,7 +55,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_patches import _install, _series
 from vllm_patches._install import ActivationError, PartlyInstalled
 from vllm_patches._series import Need, Series
-from vllm_patches._words import count
+from vllm_patches._words import count, word
 
 if TYPE_CHECKING:
     from vllm_patches._install import Installed
@@ -190,7 +190,7 @@ def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
     wanted = [part.strip() for part in raw.split(",") if part.strip()]
     unknown = [fix_id for fix_id in wanted if fix_id not in known]
     if unknown:
-        raise ActivationError(f"{ENV_FIXES} names unknown {count(len(unknown), 'fix', 'fixes')} "
+        raise ActivationError(f"{ENV_FIXES} names unknown {word(len(unknown), 'fix', 'fixes')} "
                               f"{', '.join(unknown)} "
                               f"(the series has {', '.join(known)})")
     return [fix_id for fix_id in known if fix_id in wanted]
