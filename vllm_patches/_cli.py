@@ -9,7 +9,8 @@ cover; `doctor`: a known-bad combination, or the plugin would stop vLLM from sta
 without vLLM in its Python doctor warns that no fix is or would be active, and exits 0);
 2 bad input (bad arguments, a file or missing path, not a git repository, not a vLLM
 tree, a release that is not vX.Y.Z, that the series does not cover, that cannot be
-told, or that the checkout's own release contradicts). A reader that leaves early
+told, or that the checkout's own release contradicts; `regen` and `matrix` without ruff,
+from the dev extras, said before anything is fetched). A reader that leaves early
 (``vllm-patches list -v | head``) changes no exit code: the rest of the output is
 dropped and the verb ends with its own code. Whether a write fails depends on timing
 (output that fits the pipe's buffer is written before ``head`` leaves), so 141, as a
@@ -184,6 +185,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
     series = _series.load()
     for release in args.release or ():
         series.require_covered(release)
+    _patches.require_ruff()
     releases = args.release or list(series.covered)
     stale = []
     if not args.release:  # directories of releases the series no longer covers
@@ -235,18 +237,24 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from vllm_patches import _matrix, _releases, _series
+    from vllm_patches import _cache, _matrix, _patches, _releases, _series
 
     series = _series.load()
     if args.write_readme and args.cached_only:
         raise UserError("--write-readme needs every covered release; drop --cached-only")
+    _patches.require_ruff()
+    cached = set(_releases.cached_releases())
     if args.cached_only:
-        cached = set(_releases.cached_releases())
         releases, uncovered = [r for r in series.covered if r in cached], []
     else:
         releases = list(series.covered)
         uncovered = [r for r in _matrix.releases_in_range(series, _releases.sdist_releases())
                      if r not in series.covered]
+        missing = [r for r in releases if r not in cached]
+        if missing:  # minutes of downloading: say so before the first
+            print(f"matrix: fetching {count(len(missing), 'release')} not in the cache "
+                  f"({_cache.human(_releases.download_size(missing))} to download; "
+                  "`--cached-only` skips them)", file=sys.stderr, flush=True)
     rows = _matrix.compute(series, releases)
     sys.stdout.write(_matrix.render(series, rows, uncovered))
     if args.write_readme:
