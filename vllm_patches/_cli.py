@@ -296,6 +296,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_REFUSED if bad else EXIT_OK
 
 
+class _Version(argparse.Action):
+    """``--version``: the package's version and the releases the series covers, one line;
+    computed when asked (reading the series), not for every command line."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import importlib.metadata
+
+        from vllm_patches import _series
+
+        series = _series.load()
+        print(f"{parser.prog} {importlib.metadata.version('vllm-patches')} (vLLM "
+              f"{series.describe_covered()}, {count(len(series.covered), 'release')})")
+        parser.exit(EXIT_OK)
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad arguments are one line on stderr (and exit 2), not argparse's usage block."""
 
@@ -306,6 +324,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="vllm-patches", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=_Version,
+                        help="the version and the vLLM releases it covers")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     def verb(name: str, func, help_text: str) -> argparse.ArgumentParser:
