@@ -275,7 +275,13 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     series = _series.load()
     if args.remove:
-        removed = _cache.remove(_cache.of_releases(args.remove))
+        chosen = _cache.of_releases(args.remove)
+        absent = [r for r in args.remove if r not in {entry.release for entry in chosen}]
+        for release in dict.fromkeys(absent):  # nothing to do: exit 0, as the contract says
+            print(f"v{release}: nothing of this release is cached in {_cache.root()}")
+        if not chosen:
+            return EXIT_OK
+        removed = _cache.remove(chosen)
     elif args.prune:
         removed = _cache.remove(_cache.prunable(series))
     elif args.clear:

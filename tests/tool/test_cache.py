@@ -92,3 +92,14 @@ def test_a_count_names_its_noun_in_the_right_number(number, shown):
     assert count(number, "patch", "patches") == shown.replace("item", "patch").replace(
         "patchs", "patches")
     assert word(number, "fix", "fixes") == ("fix" if number == 1 else "fixes")
+
+
+def test_removing_a_release_that_is_not_cached_says_so(cache, capsys):
+    """It said "removed 0 B (0 items)" (issue 29, item 6); nothing to do is exit 0."""
+    assert main(["cache", "--remove", "v9.9.9"]) == EXIT_OK
+    assert capsys.readouterr().out == f"v9.9.9: nothing of this release is cached in {cache}\n"
+    assert main(["cache", "--remove", "v9.9.9", "v0.21.0"]) == EXIT_OK
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"v9.9.9: nothing of this release is cached in {cache}"
+    assert out[1].startswith("removed ") and out[1].endswith(f"(2 items) from {cache}")
+    assert _releases.cached_releases() == []
