@@ -109,12 +109,13 @@ def test_an_unsupported_release_is_a_refusal_when_the_plugin_is_registered(dists
 
 
 @pytest.fixture
-def v0_33_1(dists, monkeypatch):
-    """vLLM 0.33.1 with the plugin; its sources: v0.33.0's tree, changed by ``edit``."""
+def v0_33_1(dists, monkeypatch, request):
+    """vLLM 0.33.1 (or the version the test's parameter names) with the plugin; its
+    sources: v0.33.0's tree, changed by ``edit``."""
     from vllm_patches import _fingerprint, _releases
 
     tree = _releases.fetch(_releases.parse_release("0.33.0"))
-    dists("vllm", "0.33.1")
+    dists("vllm", getattr(request, "param", "0.33.1"))
     dists("vllm_patches", "0.1.0", PLUGIN)
     edits = {}
 
@@ -256,3 +257,34 @@ def test_without_vllm_left_out_plugin_is_bad(dists, capsys, monkeypatch):
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
     assert "  BAD: VLLM_PLUGINS='' leaves out vllm_patches" in out
+
+
+# ------------------------------------------------- development builds (issue 29, item 7)
+
+@pytest.mark.parametrize("v0_33_1", ["0.33.1.dev12+gabcdef", "0.34.0.dev3+g1234567"],
+                         indirect=True)
+def test_a_development_build_identical_at_every_target_runs_as_the_newest_covered(
+        v0_33_1, capsys):
+    """A vLLM built from main was BAD (no fix) unless VLLM_PATCHES_ALLOW_UNSUPPORTED=1,
+    even with v0.33.0's code at every target."""
+    installed = importlib.metadata.version("vllm").split("+")[0]
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_OK, out
+    assert f"fixes on vLLM v{installed} as v0.33.0 (a development build; its code at every " \
+           "target equals v0.33.0's: " in out
+    assert "  F2 nixl-best-of-sibling-release: would be active" in out
+    assert f"  ok: vLLM v{installed} is a development build; verified identical to v0.33.0 at " \
+           "every target (" in out
+
+
+@pytest.mark.parametrize("v0_33_1", ["0.34.0.dev3+g1234567"], indirect=True)
+def test_a_development_build_that_differs_is_not_active(v0_33_1, capsys):
+    overlay = "distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py"
+    v0_33_1[overlay] = lambda text: text.replace("    def start_load_kv(self, ",
+                                                 "    def start_load_kv(self, *, extra=None, ", 1)
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED
+    assert "  BAD: NOT active on vLLM 0.34.0.dev3+g1234567: F2, F3, F4, F5; vLLM starts " \
+           "without the fixes (VLLM_PATCHES_STRICT=1 stops it instead). Why: vLLM " \
+           "0.34.0.dev3+g1234567 is a development build, and its code differs from v0.33.0's " \
+           f"at {overlay}:NixlPullConnectorWorker.start_load_kv (F2: changed);" in out
