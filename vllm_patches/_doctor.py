@@ -221,7 +221,8 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
     lines.append(f"tensor parallelism: "
                  f"{tensor_parallel_size if tensor_parallel_size else 'not given'}")
     lines.append(f"covered vLLM releases: {series.describe_covered()} (and later releases of "
-                 "their minor series whose code at every target equals one's)")
+                 "their minor series, and development builds, whose code at every target "
+                 "equals one's)")
     lines.append("vllm_patches plugin: " + ("registered" if registered else "not registered "
                  "(install this package with pip to activate the fixes in vLLM processes)"))
     variables = [f"{name}={environ[name]}" for name in (
