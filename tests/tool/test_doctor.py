@@ -138,22 +138,29 @@ def test_a_patch_release_verified_identical_at_every_target(v0_33_1, capsys):
            "target (" in out
 
 
-def test_a_patch_release_that_differs_is_not_active(v0_33_1, capsys, monkeypatch):
+@pytest.mark.parametrize(("v0_33_1", "named"), [
+    ("0.33.1", "vLLM v0.33.1 is not a covered release"),
+    # Issue 29, item 7: a build of main, compared across minor series, fails the same way.
+    ("0.34.0.dev3+g1234567", "vLLM 0.34.0.dev3+g1234567 is a development build"),
+], indirect=["v0_33_1"])
+def test_a_patch_release_or_build_that_differs_is_not_active(v0_33_1, named, capsys,
+                                                             monkeypatch):
+    installed = importlib.metadata.version("vllm")
     overlay = "distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py"
     v0_33_1[overlay] = lambda text: text.replace("    def start_load_kv(self, ",
                                                  "    def start_load_kv(self, *, extra=None, ", 1)
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
-    assert "  BAD: NOT active on vLLM 0.33.1: F2, F3, F4, F5; vLLM starts without the fixes " \
-           "(VLLM_PATCHES_STRICT=1 stops it instead). Why: vLLM v0.33.1 is not a covered " \
-           "release, and its code differs from v0.33.0's at " \
+    assert f"  BAD: NOT active on vLLM {installed}: F2, F3, F4, F5; vLLM starts without the " \
+           f"fixes (VLLM_PATCHES_STRICT=1 stops it instead). Why: {named}, and its code " \
+           "differs from v0.33.0's at " \
            f"{overlay}:NixlPullConnectorWorker.start_load_kv (F2: changed);" in out
     assert "fixes on" not in out
     monkeypatch.setenv("VLLM_PATCHES_STRICT", "1")
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
-    assert "  BAD: vLLM would not start (VLLM_PATCHES_STRICT): vLLM v0.33.1 is not a covered " \
-           "release, and its code differs" in out
+    assert f"  BAD: vLLM would not start (VLLM_PATCHES_STRICT): {named}, and its code " \
+           "differs" in out
 
 
 def test_environment_selection_and_disable_are_shown(dists, capsys, monkeypatch):
@@ -275,16 +282,3 @@ def test_a_development_build_identical_at_every_target_runs_as_the_newest_covere
     assert "  F2 nixl-best-of-sibling-release: would be active" in out
     assert f"  ok: vLLM v{installed} is a development build; verified identical to v0.33.0 at " \
            "every target (" in out
-
-
-@pytest.mark.parametrize("v0_33_1", ["0.34.0.dev3+g1234567"], indirect=True)
-def test_a_development_build_that_differs_is_not_active(v0_33_1, capsys):
-    overlay = "distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py"
-    v0_33_1[overlay] = lambda text: text.replace("    def start_load_kv(self, ",
-                                                 "    def start_load_kv(self, *, extra=None, ", 1)
-    code, out, _ = doctor(capsys)
-    assert code == EXIT_REFUSED
-    assert "  BAD: NOT active on vLLM 0.34.0.dev3+g1234567: F2, F3, F4, F5; vLLM starts " \
-           "without the fixes (VLLM_PATCHES_STRICT=1 stops it instead). Why: vLLM " \
-           "0.34.0.dev3+g1234567 is a development build, and its code differs from v0.33.0's " \
-           f"at {overlay}:NixlPullConnectorWorker.start_load_kv (F2: changed);" in out
