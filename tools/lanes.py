@@ -320,7 +320,8 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
         # parameter would leave a stale entry behind without this count.
         deselected = re.search(r"(\d+) deselected", summary)
         if len(deselect) != (int(deselected.group(1)) if deselected else 0):
-            problems.append(f"v{release} patched: {count(len(deselect), 'deselect entry', 'deselect entries')}, but "
+            entries = count(len(deselect), "deselect entry", "deselect entries")
+            problems.append(f"v{release} patched: {entries}, but "
                             f"pytest deselected {deselected.group(1) if deselected else 0}: "
                             "an entry names no test of this release")
     return problems

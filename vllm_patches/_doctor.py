@@ -186,9 +186,10 @@ def policy(activation: _runtime.Activation, registered: bool) -> list[Finding]:
         return [Finding(BAD if registered else WARN, activation.line().removeprefix(
             "vllm-patches: "))]
     if basis is not None and basis.how == _runtime.VERIFIED:
-        return [Finding(OK, f"vLLM v{basis.installed} is {_runtime.kind(Version(basis.installed))}; "
-                            f"verified identical to v{basis.release} at every target "
-                            f"({basis.why}): the fixes run as on v{basis.release}")]
+        what = _runtime.kind(Version(basis.installed))
+        return [Finding(OK, f"vLLM v{basis.installed} is {what}; verified identical to "
+                            f"v{basis.release} at every target ({basis.why}): the fixes run as "
+                            f"on v{basis.release}")]
     if basis is not None and basis.how == _runtime.AT_OWN_RISK:
         return [Finding(WARN, f"vLLM v{basis.installed}: {basis.why}; the fixes are activated "
                               f"anyway by {_runtime.ENV_ALLOW_UNSUPPORTED}=1, at your own risk")]
