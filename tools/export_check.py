@@ -32,6 +32,7 @@ import lanes
 import precommit
 
 from vllm_patches import _git, _releases, _series
+from vllm_patches._words import count
 
 # export signs the patches off with the git identity it finds; CI has none of its own.
 IDENTITY = _git.Identity("vllm-patches export check",
@@ -74,7 +75,7 @@ def check_release(release: Version, fixes: list[_series.Fix], hooks_only: bool) 
         files = changed_files(tree, base)
         started = time.monotonic()
         code, report = precommit.run_hooks(tree, files)
-        lanes.log(f"v{release} {fix_id}: pre-commit on {len(files)} files: "
+        lanes.log(f"v{release} {fix_id}: pre-commit on {count(len(files), 'file')}: "
                   f"{'passed' if code == 0 else 'FAILED'} ({time.monotonic() - started:.0f} s)")
         if code != 0:
             sys.stdout.write(report)
@@ -155,7 +156,7 @@ def main() -> int:
         problems += release_problems
     for problem in problems:
         print(f"EXPORT PROBLEM: {problem}")
-    print(f"exported series: {'all met' if not problems else f'{len(problems)} problem(s)'}")
+    print(f"exported series: {'all met' if not problems else count(len(problems), 'problem')}")
     return 1 if problems else 0
 
 

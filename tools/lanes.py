@@ -44,6 +44,7 @@ from packaging.version import Version
 from venvs import UV_INSTALL_FLAGS, uv_pip_install
 
 from vllm_patches import _git, _releases, _series
+from vllm_patches._words import count
 
 REPO = Path(__file__).resolve().parent.parent
 # Venvs, trees and reports; VLLM_PATCHES_BUILD puts them elsewhere (a second checkout or
@@ -319,7 +320,8 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
         # parameter would leave a stale entry behind without this count.
         deselected = re.search(r"(\d+) deselected", summary)
         if len(deselect) != (int(deselected.group(1)) if deselected else 0):
-            problems.append(f"v{release} patched: {len(deselect)} deselect entries, but "
+            entries = count(len(deselect), "deselect entry", "deselect entries")
+            problems.append(f"v{release} patched: {entries}, but "
                             f"pytest deselected {deselected.group(1) if deselected else 0}: "
                             "an entry names no test of this release")
     return problems
@@ -403,7 +405,7 @@ def main() -> int:
     for release in releases:
         started = time.monotonic()
         lane_problems = run_lane(release, args.skip_upstream)
-        status = "ok" if not lane_problems else f"{len(lane_problems)} problem(s)"
+        status = "ok" if not lane_problems else count(len(lane_problems), "problem")
         log(f"v{release}: {status} ({time.monotonic() - started:.0f} s)")
         problems += lane_problems
     for problem in problems:

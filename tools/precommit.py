@@ -58,6 +58,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
 import lanes
 
+from vllm_patches._words import count
+
 PRE_COMMIT = "pre-commit==4.7.0"
 HOME = lanes.BUILD / "precommit"
 STAGE = "manual"  # what upstream's CI runs
@@ -162,7 +164,7 @@ def run_hooks(tree: Path, files: list[str], shown: Path | None = None) -> tuple[
              "--files", *files],
             cwd=tree, capture_output=True, text=True, check=False,
             env={**os.environ, "PRE_COMMIT_HOME": str(HOME / "home")})
-    header = [(f"{PRE_COMMIT} on {shown or tree}, stage {STAGE}, {len(files)} file(s); "
+    header = [(f"{PRE_COMMIT} on {shown or tree}, stage {STAGE}, {count(len(files), 'file')}; "
                "local hooks from the tree"), *(f"  {note}" for note in notes)]
     return proc.returncode, "\n".join(header) + "\n" + proc.stdout + proc.stderr
 

@@ -5,11 +5,14 @@ conflicts, files the series touches have local changes, a git operation of the u
 is in progress, another vllm-patches run still holds the repository after the wait
 (``_lock``), the checkout is the tool's cache, patches/ is stale; `matrix`: a release
 needs a fix that does not splice there, or the index has a release the series does not
-cover; `doctor`: a known-bad combination, or the plugin would stop vLLM from starting;
-without vLLM in its Python doctor warns that no fix is or would be active, and exits 0);
+cover; `doctor`: a known-bad combination, the plugin would stop vLLM from starting, or
+the environment leaves the fixes out (VLLM_PLUGINS without vllm_patches, or
+VLLM_PATCHES_FIXES naming a fix the series lacks); without vLLM in its Python doctor
+warns that no fix is or would be active, and exits 0 unless the environment is such);
 2 bad input (bad arguments, a file or missing path, not a git repository, not a vLLM
 tree, a release that is not vX.Y.Z, that the series does not cover, that cannot be
-told, or that the checkout's own release contradicts). A reader that leaves early
+told, or that the checkout's own release contradicts; `regen` and `matrix` without ruff,
+from the dev extras, said before anything is fetched). A reader that leaves early
 (``vllm-patches list -v | head``) changes no exit code: the rest of the output is
 dropped and the verb ends with its own code. Whether a write fails depends on timing
 (output that fits the pipe's buffer is written before ``head`` leaves), so 141, as a
@@ -28,6 +31,7 @@ import sys
 from pathlib import Path
 
 from vllm_patches._errors import Refused, UserError
+from vllm_patches._words import count
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -183,6 +187,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
     series = _series.load()
     for release in args.release or ():
         series.require_covered(release)
+    _patches.require_ruff()
     releases = args.release or list(series.covered)
     stale = []
     if not args.release:  # directories of releases the series no longer covers
@@ -200,7 +205,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
             files = _patches.render(series, release, _releases.fetch(release))
         existing = _patchset.committed(release)
         if files == existing:
-            print(f"v{release}: up to date ({_patch_count(files)} patches)")
+            print(f"v{release}: up to date ({count(_patch_count(files), 'patch', 'patches')})")
             continue
         if args.check:
             changed = sorted(name for name in files.keys() | existing.keys()
@@ -213,7 +218,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
             (directory / name).unlink()
         for name, text in files.items():
             (directory / name).write_text(text)
-        print(f"v{release}: wrote {_patch_count(files)} patches to {directory}")
+        print(f"v{release}: wrote {count(_patch_count(files), 'patch', 'patches')} to {directory}")
     if stale:
         raise Refused("patches/ is stale, run `vllm-patches regen`: " + "; ".join(stale))
     return EXIT_OK
@@ -234,18 +239,24 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from vllm_patches import _matrix, _releases, _series
+    from vllm_patches import _cache, _matrix, _patches, _releases, _series
 
     series = _series.load()
     if args.write_readme and args.cached_only:
         raise UserError("--write-readme needs every covered release; drop --cached-only")
+    _patches.require_ruff()
+    cached = set(_releases.cached_releases())
     if args.cached_only:
-        cached = set(_releases.cached_releases())
         releases, uncovered = [r for r in series.covered if r in cached], []
     else:
         releases = list(series.covered)
         uncovered = [r for r in _matrix.releases_in_range(series, _releases.sdist_releases())
                      if r not in series.covered]
+        missing = [r for r in releases if r not in cached]
+        if missing:  # minutes of downloading: say so before the first
+            print(f"matrix: fetching {count(len(missing), 'release')} not in the cache "
+                  f"({_cache.human(_releases.download_size(missing))} to download; "
+                  "`--cached-only` skips them)", file=sys.stderr, flush=True)
     rows = _matrix.compute(series, releases)
     sys.stdout.write(_matrix.render(series, rows, uncovered))
     if args.write_readme:
@@ -264,7 +275,13 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     series = _series.load()
     if args.remove:
-        removed = _cache.remove(_cache.of_releases(args.remove))
+        chosen = _cache.of_releases(args.remove)
+        absent = [r for r in args.remove if r not in {entry.release for entry in chosen}]
+        for release in dict.fromkeys(absent):  # nothing to do: exit 0, as the contract says
+            print(f"v{release}: nothing of this release is cached in {_cache.root()}")
+        if not chosen:
+            return EXIT_OK
+        removed = _cache.remove(chosen)
     elif args.prune:
         removed = _cache.remove(_cache.prunable(series))
     elif args.clear:
@@ -273,7 +290,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print("\n".join(_cache.report(series)))
         return EXIT_OK
     print(f"removed {_cache.human(sum(e.size for e in removed))} "
-          f"({len(removed)} items) from {_cache.root()}")
+          f"({count(len(removed), 'item')}) from {_cache.root()}")
     return EXIT_OK
 
 
@@ -287,6 +304,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_REFUSED if bad else EXIT_OK
 
 
+class _Version(argparse.Action):
+    """``--version``: the package's version and the releases the series covers, one line;
+    computed when asked (reading the series), not for every command line."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import importlib.metadata
+
+        from vllm_patches import _series
+
+        series = _series.load()
+        print(f"{parser.prog} {importlib.metadata.version('vllm-patches')} (vLLM "
+              f"{series.describe_covered()}, {count(len(series.covered), 'release')})")
+        parser.exit(EXIT_OK)
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad arguments are one line on stderr (and exit 2), not argparse's usage block."""
 
@@ -297,6 +332,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="vllm-patches", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=_Version,
+                        help="the version and the vLLM releases it covers")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     def verb(name: str, func, help_text: str) -> argparse.ArgumentParser:

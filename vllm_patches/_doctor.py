@@ -4,7 +4,9 @@ known-bad combinations it is in.
 Versions come from the installed distributions' metadata (``importlib.metadata``), so
 the report describes the environment vLLM would start in, not a checkout. Where vLLM is
 importable, doctor loads vLLM's general plugins the way vLLM's processes do, so the
-fixes it lists as active went through the real entry point.
+fixes it lists as active went through the real entry point. An environment that leaves
+the fixes out whatever vLLM runs (``VLLM_PLUGINS`` without this plugin, an unknown id in
+``VLLM_PATCHES_FIXES``) is BAD, exit 1, with or without vLLM here.
 """
 
 from __future__ import annotations
@@ -123,10 +125,7 @@ def _activation(environ: Mapping[str, str], load: bool, registered: bool,
         if activation is not None:
             return activation, policy(activation, registered), \
                 "active in this Python, through vLLM's plugin loader"
-        allowed = environ.get("VLLM_PLUGINS")
-        why = (f"VLLM_PLUGINS={allowed!r} leaves out {_runtime.ENTRY_POINT_NAME}"
-               if allowed is not None and _runtime.ENTRY_POINT_NAME not in allowed.split(",")
-               else "its entry point is not installed" if not registered
+        why = ("its entry point is not installed" if not registered
                else "its module failed to import (see the log above)")
         findings = [Finding(WARN, f"the vllm_patches plugin did not run: {why}; no fix is "
                                   "active in vLLM processes")]
@@ -157,6 +156,28 @@ def _activation(environ: Mapping[str, str], load: bool, registered: bool,
         "would be activated by the plugin (not loaded here)"
 
 
+def plugin_left_out(environ: Mapping[str, str]) -> Finding | None:
+    """BAD where ``VLLM_PLUGINS`` (vLLM loads only the general plugins it names, when set)
+    leaves this package's plugin out: no vLLM process activates a fix, whatever else is
+    set. Not where ``VLLM_PATCHES_DISABLE`` says the operator wants none."""
+    allowed = environ.get("VLLM_PLUGINS")
+    if allowed is None or _runtime.ENTRY_POINT_NAME in allowed.split(","):
+        return None
+    return Finding(BAD, f"VLLM_PLUGINS={allowed!r} leaves out {_runtime.ENTRY_POINT_NAME}: vLLM "
+                        "does not load the plugin, so no fix is active in vLLM processes (add "
+                        f"{_runtime.ENTRY_POINT_NAME} to it, or unset it)")
+
+
+def unknown_fixes(environ: Mapping[str, str], series: _series.Series) -> Finding | None:
+    """BAD where ``VLLM_PATCHES_FIXES`` names a fix the series lacks (the plugin would
+    activate none): said even without vLLM here, where no activation is computed."""
+    try:
+        _runtime.selected_ids(series, environ)
+    except _runtime.ActivationError as exc:
+        return Finding(BAD, f"{exc.reason}: the plugin activates no fix")
+    return None
+
+
 def policy(activation: _runtime.Activation, registered: bool) -> list[Finding]:
     """What the release policy did: fixes NOT active (BAD where the plugin runs: exit 1),
     activated on a release that is not covered (verified, or at the operator's risk)."""
@@ -165,13 +186,22 @@ def policy(activation: _runtime.Activation, registered: bool) -> list[Finding]:
         return [Finding(BAD if registered else WARN, activation.line().removeprefix(
             "vllm-patches: "))]
     if basis is not None and basis.how == _runtime.VERIFIED:
-        return [Finding(OK, f"vLLM v{basis.installed} is not a covered release; verified "
-                            f"identical to v{basis.release} at every target ({basis.why}): "
-                            f"the fixes run as on v{basis.release}")]
+        what = _runtime.kind(Version(basis.installed))
+        return [Finding(OK, f"vLLM v{basis.installed} is {what}; verified identical to "
+                            f"v{basis.release} at every target ({basis.why}): the fixes run as "
+                            f"on v{basis.release}")]
     if basis is not None and basis.how == _runtime.AT_OWN_RISK:
         return [Finding(WARN, f"vLLM v{basis.installed}: {basis.why}; the fixes are activated "
                               f"anyway by {_runtime.ENV_ALLOW_UNSUPPORTED}=1, at your own risk")]
     return []
+
+
+def _disabled(environ: Mapping[str, str]) -> bool:
+    """``VLLM_PATCHES_DISABLE`` is set (an unreadable value counts: the plugin refuses it)."""
+    try:
+        return _runtime.env_flag(environ, _runtime.ENV_DISABLE)
+    except UserError:
+        return False
 
 
 def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] | None = None,
@@ -192,7 +222,8 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
     lines.append(f"tensor parallelism: "
                  f"{tensor_parallel_size if tensor_parallel_size else 'not given'}")
     lines.append(f"covered vLLM releases: {series.describe_covered()} (and later releases of "
-                 "their minor series whose code at every target equals one's)")
+                 "their minor series, and development builds, whose code at every target "
+                 "equals one's)")
     lines.append("vllm_patches plugin: " + ("registered" if registered else "not registered "
                  "(install this package with pip to activate the fixes in vLLM processes)"))
     variables = [f"{name}={environ[name]}" for name in (
@@ -201,8 +232,13 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
         if name in environ]
     lines.append("environment: " + (", ".join(variables) or "no VLLM_PATCHES_* or VLLM_PLUGINS"))
     findings: list[Finding] = []
+    disabled = _disabled(environ)
+    left_out = None if disabled else plugin_left_out(environ)
     if vllm is None:
         findings.append(Finding(WARN, NO_VLLM))
+        findings += filter(None, [left_out, None if disabled else unknown_fixes(environ, series)])
+    elif left_out is not None:
+        findings.append(left_out)
     else:
         activation, found, how = _activation(environ, load, registered, vllm[1])
         findings += found

@@ -35,6 +35,7 @@ from vllm_patches._checkout import Checkout, opened
 from vllm_patches._errors import Refused, UserError
 from vllm_patches._patchset import PatchSet
 from vllm_patches._series import Fix, Series
+from vllm_patches._words import count
 
 # Plain `git am` strips the subject's [Bugfix][NIXL] tags along with [PATCH k/n].
 GIT_AM = "git am --keep-non-patch"
@@ -118,9 +119,8 @@ class Export:
                       | {test for f in self.fixes for test in f.tests})
 
     def summary(self) -> str:
-        count = len(self.fixes)
         text = (f"{self.fix.id} for vLLM v{self.release}, on {self.base_text}: "
-                f"{count} patch{'es' if count > 1 else ''}")
+                f"{count(len(self.fixes), 'patch', 'patches')}")
         required = [f.id for f in self.fixes if f is not self.fix]
         if required:
             text += f" ({self.fix.id} requires {', '.join(required)}: included, applied first)"
@@ -402,7 +402,7 @@ def _onto(series: Series, fix: Fix, release: Version | None, checkout: Checkout,
         written = _write(export, Path(scratch) / "series")
         checkout.am([path for path in written if path.suffix == ".patch"], contributor.env())
     branch = checkout.branch() or "HEAD"
-    print(f"applied onto {checkout.path} ({branch}): {len(export.patches)} commit(s), "
+    print(f"applied onto {checkout.path} ({branch}): {count(len(export.patches), 'commit')}, "
           f"signed off; the PR title: {export.fix.series_title}")
     print("the PR description:\n")
     print(cover_text(export), end="")

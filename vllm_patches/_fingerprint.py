@@ -229,7 +229,16 @@ def candidate(series: Series, release: Version) -> Version | None:
     release of its minor series that is not newer (v0.33.0 for v0.33.1, v0.20.2 for a
     v0.20.3): vLLM builds a patch release from the one before it, with cherry-picks.
     None for a release of a minor series nothing covers (v0.34.0): a new minor series
-    moves code anywhere, and is ported, not assumed."""
+    moves code anywhere, and is ported, not assumed.
+
+    A development build or pre-release (``0.33.1.dev12+gabcdef``, ``0.34.0rc1.dev3``: a
+    build of vLLM's main or of a release branch) is compared with the newest covered
+    release not newer than its base (``0.33.1``, ``0.34.0``), of any minor series: v0.33.0
+    for both. Such a build is never covered (the series covers final releases only, as
+    the index has them), so the comparison at every target is the one way its fixes run."""
+    if release.is_devrelease or release.is_prerelease:
+        base = Version(release.base_version)
+        return max((r for r in series.covered if r <= base), default=None)
     same = [r for r in series.covered if r.release[:2] == release.release[:2] and r <= release]
     return max(same, default=None)
 

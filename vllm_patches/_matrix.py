@@ -136,7 +136,7 @@ def generated_section(series: Series, rows: list[Row]) -> str:
              "also run the tests), `upstream` that the release has the fix, `not applicable` that "
              "it does not need it. `status`, `apply`, `revert` and `export` accept exactly these "
              "releases; runtime activation runs on them, and on a later release of their minor "
-             "series only where its code at every target is verified identical ([runtime "
+             "series or a development build only where its code at every target is verified identical ([runtime "
              "activation](operator-guide.md#runtime-activation)); `vllm-patches matrix` reports "
              "a release of the range that the list lacks.")
     return (f"{BEGIN}\n{textwrap.fill(intro, 92, break_on_hyphens=False)}\n\n"

@@ -80,11 +80,17 @@ def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -
     return sources
 
 
-def _ruff(tree: Path, upstream_path: str, source: str, *args: str) -> subprocess.CompletedProcess:
-    """Run ruff on ``source`` as if it were ``tree``'s file ``upstream_path`` (its config)."""
+def require_ruff() -> None:
+    """Generating patches runs ruff, from the dev extras: ``regen`` and ``matrix`` call
+    this before they fetch anything, so that its absence is one line up front."""
     if importlib.util.find_spec("ruff") is None:
         raise UserError("regen and matrix need ruff, from the dev extras: in a vllm-patches "
                         "clone, python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'")
+
+
+def _ruff(tree: Path, upstream_path: str, source: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ruff on ``source`` as if it were ``tree``'s file ``upstream_path`` (its config)."""
+    require_ruff()
     return subprocess.run(
         # --no-cache: never write .ruff_cache into the tree (the tool's pristine cache).
         [sys.executable, "-m", "ruff", *args, "--no-cache", "--stdin-filename", upstream_path, "-"],
@@ -130,7 +136,8 @@ def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]
     base = _git.head(tree)
     upstream_commit = _releases.upstream_commit(tree)
     applicable = series.applicable(release)
-    check_bounds(_series.PACKAGE_DIR / overlay for fix in applicable for overlay in fix.overlays)
+    check_bounds((_series.PACKAGE_DIR / overlay for fix in applicable for overlay in fix.overlays),
+                 {fix.id for fix in applicable})
     with _git.commits(tree, base, PATCH_COMMITS.env(), isolated=True) as commits:
         for number, fix in enumerate(applicable, start=1):
             sources = spliced_sources(tree, base, applicable[:number], release)

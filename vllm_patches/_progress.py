@@ -1,8 +1,11 @@
 """Progress of slow work (downloads, regen, matrix) on one rewritten line of stderr.
 
-Shown only when stderr is a terminal: piped or captured output (CI logs, scripts) gets
-the results alone. Steps nest (``matrix v0.19.0 (3/23) · fetching 12/45 MB``); a step's
-line is cleared when it ends, so results printed to stdout between steps stay clean.
+On a terminal, steps nest (``matrix v0.19.0 (3/23) · fetching 12/45 MB``) on one line
+that is cleared when a step ends, so results printed to stdout between steps stay clean.
+Piped or captured stderr (CI logs, scripts) gets no rewritten line: only the steps
+started with ``logged=True`` (a release being downloaded, minutes of silence otherwise),
+each once, as a plain line with the steps it runs within. stdout has the results alone
+either way.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ def _show() -> None:
 
 
 @contextmanager
-def step(text: str) -> Iterator[None]:
-    """Show ``text`` (after the steps it runs within) while the block runs."""
+def step(text: str, logged: bool = False) -> Iterator[None]:
+    """Show ``text`` (after the steps it runs within) while the block runs; ``logged``:
+    also as a line of its own where stderr is no terminal."""
     _steps.append(text)
     try:
         if _enabled():
             _show()
+        elif logged:
+            print(" · ".join(_steps), file=sys.stderr, flush=True)
         yield
     finally:
         _steps.pop()

@@ -114,6 +114,14 @@ def sdist_releases() -> list[Version]:
     return sorted(releases)
 
 
+def download_size(versions: list[Version]) -> int:
+    """Bytes ``fetch`` downloads to make ``versions`` (releases not checked out in the
+    cache): the index's size (PEP 700) of each source archive not downloaded yet."""
+    missing = {_sdist_filename(v) for v in versions
+               if not (sdists_dir() / _sdist_filename(v)).is_file()}
+    return sum(entry.get("size", 0) for entry in _index_files() if entry["filename"] in missing)
+
+
 def cached_releases() -> list[Version]:
     """The releases that ``fetch`` has already made into cached checkouts, oldest first."""
     root = cache_root() / "src"
@@ -209,7 +217,7 @@ def fetch(version: Version) -> Path:
     import shutil
     import tempfile
 
-    with _progress.step(f"fetching vLLM {tag}"):
+    with _progress.step(f"fetching vLLM {tag}", logged=True):
         sdist = _download_sdist(version)
         dest.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as scratch:

@@ -17,8 +17,14 @@ runs them as the newest covered release of its minor series not newer than it (v
 for v0.33.1; its patch releases are cherry-picks onto that one), and only if its code
 at every target of the selected fixes equals that release's: ``_fingerprint`` compares
 the installed definitions with the fingerprints ``regen`` recorded from the release's
-tree. A development build, a release of a minor series nothing covers, or a difference
-at any target is not verifiable.
+tree. A development build or pre-release (vLLM built from main or a release branch:
+``0.33.1.dev12+gabcdef``, ``0.34.0rc1.dev3``) runs them the same way as the newest
+covered release not newer than its base version, of whatever minor series (v0.33.0 for
+both): the series never covers such a build, so the comparison is its one way to the
+fixes, and it is as strict. Either logs a WARNING naming the release it runs as. A
+release of a minor series nothing covers (a final v0.34.0: ported, not assumed), a
+build older than every covered release, or a difference at any target is not
+verifiable.
 
 What happens when the fixes cannot be activated as asked (any ``ActivationError``: such
 a release, a missing module or target, a bad ``VLLM_PATCHES_*`` value; or any other error
@@ -55,6 +61,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_patches import _install, _series
 from vllm_patches._install import ActivationError, PartlyInstalled
 from vllm_patches._series import Need, Series
+from vllm_patches._words import count, word
 
 if TYPE_CHECKING:
     from vllm_patches._install import Installed
@@ -89,6 +96,12 @@ VERIFIED = "verified"
 AT_OWN_RISK = "at own risk"
 
 
+def kind(version: Version) -> str:
+    """What an installed vLLM that is not a covered release is, as the lines say it."""
+    return ("a development build" if version.is_devrelease else
+            "a pre-release" if version.is_prerelease else "not a covered release")
+
+
 @dataclass(frozen=True)
 class Basis:
     """The release whose fixes run on the installed vLLM, and why that one."""
@@ -101,8 +114,8 @@ class Basis:
     def describe(self) -> str:
         """``v0.33.1 as v0.33.0 (...)``: how a line names the release the fixes run on."""
         if self.how == VERIFIED:
-            return (f"v{self.installed} as v{self.release} (not a covered release; its code at "
-                    f"every target equals v{self.release}'s: {self.why})")
+            return (f"v{self.installed} as v{self.release} ({kind(Version(self.installed))}; "
+                    f"its code at every target equals v{self.release}'s: {self.why})")
         if self.how == AT_OWN_RISK:
             return (f"v{self.installed} (NOT verified: {self.why}; activated by "
                     f"{ENV_ALLOW_UNSUPPORTED}=1 at your own risk)")
@@ -189,7 +202,8 @@ def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
     wanted = [part.strip() for part in raw.split(",") if part.strip()]
     unknown = [fix_id for fix_id in wanted if fix_id not in known]
     if unknown:
-        raise ActivationError(f"{ENV_FIXES} names unknown fix(es) {', '.join(unknown)} "
+        raise ActivationError(f"{ENV_FIXES} names unknown {word(len(unknown), 'fix', 'fixes')} "
+                              f"{', '.join(unknown)} "
                               f"(the series has {', '.join(known)})")
     return [fix_id for fix_id in known if fix_id in wanted]
 
@@ -231,11 +245,12 @@ def release_basis(text: str, series: Series, ids: list[str], allow_unsupported: 
     """The release whose fixes ``ids`` run on an installed vLLM ``text`` (``0.21.0+cpu``
     is v0.21.0), or an ActivationError saying why none can be.
 
-    A covered release runs as itself. Another final release runs as the covered release
-    ``_fingerprint.candidate`` picks when the installed code at every target of ``ids``
-    equals that release's (``package``'s source files against the recorded
-    fingerprints; ``root`` holds the overlays). Otherwise, with ``allow_unsupported``,
-    it runs as itself (a development build as its base release), at the operator's risk.
+    A covered release runs as itself. Any other version, final or a development build,
+    runs as the covered release ``_fingerprint.candidate`` picks when the installed code
+    at every target of ``ids`` equals that release's (``package``'s source files against
+    the recorded fingerprints; ``root`` holds the overlays). Otherwise, with
+    ``allow_unsupported``, it runs as itself (a development build as its base release),
+    at the operator's risk.
     """
     from vllm_patches import _fingerprint
 
@@ -249,16 +264,17 @@ def release_basis(text: str, series: Series, ids: list[str], allow_unsupported: 
     if public in series.covered:
         return Basis(str(public), public, COVERED)
     covered = f"covered: {series.describe_covered()}"
-    if version.is_devrelease or version.is_prerelease:
-        why = f"vLLM {text} is a development build, not a release ({covered})"
-    elif (candidate := _fingerprint.candidate(series, public)) is None:
-        why = (f"vLLM v{public} is not a covered release ({covered}), nor a later release "
-               "of a covered minor series")
+    build = public.is_devrelease or public.is_prerelease
+    named = f"vLLM {text if build else f'v{public}'} is {kind(public)}"
+    if (candidate := _fingerprint.candidate(series, public)) is None:
+        why = (f"{named}, and the series covers no release up to its base "
+               f"v{version.base_version} ({covered})" if build else
+               f"{named} ({covered}), nor a later release of a covered minor series")
     else:
         expected = _fingerprint.recorded(candidate)
         if expected is None:
-            why = (f"vLLM v{public} is not a covered release, and this installation lacks "
-                   f"v{candidate}'s fingerprints to compare it with")
+            why = (f"{named}, and this installation lacks v{candidate}'s fingerprints to "
+                   "compare it with")
         else:
             actual = _fingerprint.compute(series, candidate, root,
                                           _fingerprint.installed_reader(package))
@@ -266,10 +282,9 @@ def release_basis(text: str, series: Series, ids: list[str], allow_unsupported: 
             differ = _fingerprint.differences(expected, actual, ids)
             if not differ:
                 return Basis(str(public), candidate, VERIFIED,
-                             f"{len(compared)} definitions compared")
+                             f"{count(len(compared), 'definition')} compared")
             shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if differ[3:] else "")
-            why = (f"vLLM v{public} is not a covered release, and its code differs from "
-                   f"v{candidate}'s at {shown}")
+            why = f"{named}, and its code differs from v{candidate}'s at {shown}"
     if allow_unsupported:
         return Basis(str(public), Version(version.base_version), AT_OWN_RISK, why)
     raise ActivationError(f"{why}; {hint}")

@@ -9,7 +9,7 @@ TYPE_CHECKING:`` block, names of annotations only, to upstream's own such block)
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,14 +134,20 @@ class UnstartedBound:
                 "verified is series.toml's last covered one)")
 
 
-def unstarted_bounds(paths: Iterable[Path]) -> list[UnstartedBound]:
-    """Every upper bound in the markers of the overlay files ``paths`` that is not where
-    another variant of the same definition starts. Variants of one definition: the
-    markers of one fix linked, directly or through others, by sitting on one node or by
-    naming one class or function (a partial class written for several layouts with
-    ``name=``, a class upstream split). Only ``>=start`` and ``<end`` clauses are
-    accepted."""
-    definitions = [d for path in dict.fromkeys(paths) for d in _parse_file(path)[0]]
+def unstarted_bounds(paths: Iterable[Path],
+                     fixes: Container[str] | None = None) -> list[UnstartedBound]:
+    """Every upper bound in the markers of the overlay files ``paths`` (those of
+    ``fixes``, default all) that is not where another variant of the same definition
+    starts. Variants of one definition: the markers of one fix linked, directly or
+    through others, by sitting on one node or by naming one class or function (a partial
+    class written for several layouts with ``name=``, a class upstream split). Only
+    ``>=start`` and ``<end`` clauses are accepted.
+
+    A fix's variants all lie in its own overlays, but a file holds the markers of every
+    fix that edits it: ``fixes`` keeps another fix's marker, whose next variant is in a
+    file not among ``paths``, from being judged without it."""
+    definitions = [d for path in dict.fromkeys(paths) for d in _parse_file(path)[0]
+                   if fixes is None or d.fix in fixes]
     groups: list[tuple[set[object], list[OverlayDefinition]]] = []
     for definition in definitions:
         keys = {(definition.fix, definition.source, definition.position),
@@ -165,10 +171,10 @@ def unstarted_bounds(paths: Iterable[Path]) -> list[UnstartedBound]:
     return found
 
 
-def check_bounds(paths: Iterable[Path]) -> None:
-    """Refuse a marker bound that is merely the newest verified release (see
-    ``unstarted_bounds``)."""
-    for bound in unstarted_bounds(paths):
+def check_bounds(paths: Iterable[Path], fixes: Container[str]) -> None:
+    """Refuse a marker bound of ``fixes`` that is merely the newest verified release (see
+    ``unstarted_bounds``; ``paths``: their overlays)."""
+    for bound in unstarted_bounds(paths, fixes):
         raise SpliceError(str(bound))
 
 

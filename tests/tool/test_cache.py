@@ -49,6 +49,7 @@ def test_prune_keeps_the_covered_checkouts(cache, capsys):
     assert not any(_releases.sdists_dir().iterdir())
     assert not (_releases.checkouts_dir() / ".fetch-abc123").exists()
     assert main(["cache", "--remove", "v0.21.0"]) == EXIT_OK
+    assert "(1 item) from" in capsys.readouterr().out  # the checkout; prune took the archive
     assert _releases.cached_releases() == []
     (cache / "unrelated.txt").write_text("not the tool's")
     assert main(["cache", "--clear"]) == EXIT_OK
@@ -66,3 +67,39 @@ def test_progress_only_on_a_terminal(cache, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stderr", piped)
     assert main(["regen", "--check", "--release", "v0.21.0"]) == EXIT_OK
     assert piped.getvalue() == ""
+
+
+def test_piped_a_logged_step_is_one_line_with_its_context(monkeypatch):
+    """A release being downloaded is minutes of silence in a CI log otherwise (issue 29,
+    item 2); the other steps stay off piped stderr."""
+    from vllm_patches import _progress
+
+    piped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", piped)
+    with _progress.step("matrix v0.19.0 (3/23)"):
+        with _progress.step("fetching vLLM v0.19.0", logged=True):
+            _progress.update("downloading vllm-0.19.0.tar.gz: 12/45 MB")
+        with _progress.step("unlogged"):
+            pass
+    assert piped.getvalue() == "matrix v0.19.0 (3/23) · fetching vLLM v0.19.0\n"
+
+
+@pytest.mark.parametrize(("number", "shown"), [(0, "0 items"), (1, "1 item"), (2, "2 items")])
+def test_a_count_names_its_noun_in_the_right_number(number, shown):
+    from vllm_patches._words import count, word
+
+    assert count(number, "item") == shown
+    assert count(number, "patch", "patches") == shown.replace("item", "patch").replace(
+        "patchs", "patches")
+    assert word(number, "fix", "fixes") == ("fix" if number == 1 else "fixes")
+
+
+def test_removing_a_release_that_is_not_cached_says_so(cache, capsys):
+    """It said "removed 0 B (0 items)" (issue 29, item 6); nothing to do is exit 0."""
+    assert main(["cache", "--remove", "v9.9.9"]) == EXIT_OK
+    assert capsys.readouterr().out == f"v9.9.9: nothing of this release is cached in {cache}\n"
+    assert main(["cache", "--remove", "v9.9.9", "v0.21.0"]) == EXIT_OK
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"v9.9.9: nothing of this release is cached in {cache}"
+    assert out[1].startswith("removed ") and out[1].endswith(f"(2 items) from {cache}")
+    assert _releases.cached_releases() == []

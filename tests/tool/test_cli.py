@@ -355,6 +355,16 @@ def test_list_shows_the_series(capsys):
     assert "Why:" in out and "Future:" in out
 
 
+def test_version_is_one_line_with_the_covered_range(capsys):
+    import importlib.metadata
+
+    code, out, err = run(capsys, "--version")
+    assert (code, err) == (EXIT_OK, "")
+    assert out == (f"vllm-patches {importlib.metadata.version('vllm-patches')} (vLLM "
+                   f"v{SERIES.covered[0]} .. v{SERIES.covered[-1]}, "
+                   f"{len(SERIES.covered)} releases)\n")
+
+
 def test_patches_are_fresh(capsys):
     """patches/ equals what the overlays generate today, for the default lane here;
     tools/test.sh runs `regen --check` over every covered release."""

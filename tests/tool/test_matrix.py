@@ -2,11 +2,12 @@
 sync with it."""
 
 import dataclasses
+import importlib.util
 
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _cli, _matrix, _patches, _releases, _series
+from vllm_patches import _cache, _cli, _matrix, _patches, _releases, _series
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 from vllm_patches._errors import UserError
 from vllm_patches._patchset import PatchSet
@@ -156,3 +157,44 @@ def test_write_readme_writes_the_section_of_the_doc_that_holds_it(tmp_path, caps
     written = target.read_text()
     assert written.startswith("# Supported releases\n\n") and written.endswith("\n\nafter\n")
     assert _matrix.SECTION.search(written).group(0) == _matrix.SECTION.search(doc()).group(0)
+
+
+# ------------------------------------------------- without the dev extras (issue 29, item 2)
+
+NO_RUFF = ("vllm-patches: error: regen and matrix need ruff, from the dev extras: in a "
+           "vllm-patches clone, python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'\n")
+
+
+def never(*args):
+    raise AssertionError("nothing may be read from the index or fetched")
+
+
+@pytest.mark.parametrize("argv", [["matrix"], ["matrix", "--cached-only"], ["regen"],
+                                  ["regen", "--release", "v0.33.0"]])
+def test_without_ruff_matrix_and_regen_refuse_in_one_line_before_fetching(argv, capsys,
+                                                                          monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "ruff" else find_spec(name, *rest))
+    for name in ("sdist_releases", "fetch", "_index_files"):
+        monkeypatch.setattr(_releases, name, never)
+    monkeypatch.setattr(_releases, "cached_releases", lambda: list(SERIES.covered))
+    assert _cli.main(argv) == EXIT_BAD_INPUT
+    assert capsys.readouterr() == ("", NO_RUFF)
+
+
+def test_matrix_says_up_front_how_much_it_will_download(capsys, monkeypatch, tmp_path):
+    cached, archived, *missing = SERIES.covered
+    monkeypatch.setenv("VLLM_PATCHES_CACHE", str(tmp_path))
+    _releases.sdists_dir().mkdir(parents=True)
+    (_releases.sdists_dir() / f"vllm-{archived}.tar.gz").write_bytes(b"downloaded")
+    monkeypatch.setattr(_releases, "_index_files", lambda: [
+        {"filename": f"vllm-{release}.tar.gz", "size": 40 << 20} for release in SERIES.covered])
+    monkeypatch.setattr(_releases, "cached_releases", lambda: [cached])
+    monkeypatch.setattr(_matrix, "compute", lambda series, releases: [])
+    assert _cli.main(["matrix"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert err == (f"matrix: fetching {len(missing) + 1} releases not in the cache "
+                   f"({_cache.human(len(missing) * 40 << 20)} to download; `--cached-only` "
+                   "skips them)\n")
+

@@ -901,6 +901,49 @@ def test_a_patch_release_identical_at_every_target_runs_the_fixes_as_the_covered
     assert _runtime.current().release == Version("0.33.0")
 
 
+@pytest.mark.parametrize(("installed", "shown"), [("0.33.1.dev12+gabcdef", "0.33.1.dev12"),
+                                                  ("0.34.0rc1.dev3+g1234567", "0.34.0rc1.dev3")])
+def test_a_development_build_identical_at_every_target_runs_as_the_newest_covered(
+        on_v0_33_1, monkeypatch, caplog, installed, shown):
+    """Issue 29, item 7: a vLLM built from main got no fix without
+    VLLM_PATCHES_ALLOW_UNSUPPORTED=1, even with v0.33.0's code at every target. It is
+    compared with the newest covered release not newer than its base (0.33.1, 0.34.0),
+    and runs as it, with a WARNING, exactly as a patch release."""
+    caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
+    monkeypatch.setattr(_runtime, "installed_version_text", lambda: installed)
+    on_v0_33_1.install_source(HOOKED + UNRELATED)
+    _runtime.register()
+    assert plugin_lines(caplog) == [(logging.WARNING, (
+        f"vllm-patches on vLLM v{shown} as v0.33.0 (a development build; its code at every "
+        "target equals v0.33.0's: 4 definitions compared): active: F2; upstream: none; "
+        "not applicable: none"))]
+    worker = on_v0_33_1.get("core.worker").Worker()
+    worker.start("m")
+    assert worker.settled == ["m"], "the fix is installed"
+
+
+@pytest.mark.parametrize(("installed", "why"), [
+    ("0.33.1.dev3+g1234567", "vLLM 0.33.1.dev3+g1234567 is a development build, and its code "
+                             "differs from v0.33.0's at core/worker.py:Worker.start (F2: changed)"),
+    ("0.33.0rc2", "vLLM 0.33.0rc2 is a pre-release, and its code differs from v0.33.0's at "
+                  "core/worker.py:Worker.start (F2: changed)"),
+    ("0.32.1.dev5", "vLLM 0.32.1.dev5 is a development build, and the series covers no release "
+                    "up to its base v0.32.1 (covered: v0.33.0 .. v0.33.0)"),
+])
+def test_a_development_build_that_differs_or_predates_the_series_is_not_active(
+        on_v0_33_1, monkeypatch, caplog, installed, why):
+    caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
+    monkeypatch.setattr(_runtime, "installed_version_text", lambda: installed)
+    on_v0_33_1.install_source(DIFFERENT["a hooked method changed"][0])
+    _runtime.register()
+    assert plugin_lines(caplog) == [(logging.ERROR, (
+        f"vllm-patches: NOT active on vLLM {installed}: F2; vLLM starts without the fixes "
+        f"(VLLM_PATCHES_STRICT=1 stops it instead). Why: {why}; set "
+        "VLLM_PATCHES_ALLOW_UNSUPPORTED=1 to activate the fixes anyway, at your own risk, or "
+        "VLLM_PATCHES_DISABLE=1 to run without them"))]
+    assert "_settle" not in vars(on_v0_33_1.get("core.worker").Worker)
+
+
 # Each: the installed module differs from v0.33.0's at one target of F2.
 DIFFERENT = {
     "a hooked method changed": (
@@ -964,7 +1007,7 @@ def test_any_activation_error_starts_vllm_without_fixes_by_default(on_v0_33_1, m
     [(level, line)] = plugin_lines(caplog)
     assert level == logging.ERROR and line.startswith(
         "vllm-patches: NOT active on vLLM 0.33.1: F2; vLLM starts without the fixes")
-    assert "Why: VLLM_PATCHES_FIXES names unknown fix(es) F9" in line
+    assert "Why: VLLM_PATCHES_FIXES names unknown fix F9" in line
 
 
 def test_any_error_before_the_first_change_starts_vllm_without_fixes(on_v0_33_1, monkeypatch,

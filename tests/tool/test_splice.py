@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _series
+from vllm_patches import _patches, _series
 from vllm_patches._splice import (
     Overlay,
     SpliceError,
@@ -537,9 +537,9 @@ def test_a_bound_that_starts_no_variant_is_refused(tmp_path):
     bounds = unstarted_bounds([path])
     assert [(b.definition.fix, str(b.end)) for b in bounds] == [("F1", "0.34.0")]
     with pytest.raises(SpliceError, match=r"the upper bound <0.34.0 starts no other variant of f"):
-        check_bounds([path])
+        check_bounds([path], {"F1"})
     path.write_text(path.read_text().replace(",<0.34.0", ""))
-    check_bounds([path])
+    check_bounds([path], {"F1"})
 
 
 def test_variants_linked_by_name_across_layouts_start_each_other(tmp_path):
@@ -564,3 +564,17 @@ def test_a_range_is_a_start_and_optionally_an_end(tmp_path, releases):
 
 def test_markers_end_only_where_a_variant_starts():
     assert [str(b) for b in unstarted_bounds(OVERLAY_PATHS)] == []
+
+
+def test_a_fix_tried_alone_is_judged_by_its_own_markers(pristine_v0_21_0):
+    """matrix's culprit search generates a fix without the fixes before it. F5 shares
+    nixl_connector.py with F2, whose variant there ends (<0.20.0) where F2's next one,
+    in a file only F2 edits, starts: judged without that file, F2's bound was reported
+    as F5's conflict ("@amend('F2', ...) ... starts no other variant")."""
+    f5 = SERIES.fix("F5")
+    paths = [_series.PACKAGE_DIR / overlay for overlay in f5.overlays]
+    assert [b.definition.fix for b in unstarted_bounds(paths)] == ["F2"]
+    assert unstarted_bounds(paths, {"F5"}) == []
+    alone = _series.Series((f5,), SERIES.lanes, SERIES.covered)
+    patches = _patches.generate(alone, Version("0.21.0"), pristine_v0_21_0)
+    assert [patch.fix.id for patch in patches] == ["F5"]
