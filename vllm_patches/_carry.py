@@ -7,13 +7,15 @@ is in progress (``git am``, rebase, merge, cherry-pick, revert: their state is t
 user's work), when the checkout is the tool's own cache of a release (only ``fetch``
 changes it), and when files the series touches carry changes that are not the series'
 own. A git command that fails midway is rolled back to where the operation started.
+Each change is one step that a SIGINT or SIGTERM waits for (``_interrupt.change``): it
+ends done or rolled back, never half done.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_patches import _git
+from vllm_patches import _git, _interrupt
 from vllm_patches._errors import Refused
 from vllm_patches._git import GitError
 from vllm_patches._patchset import PATCH_AUTHOR
@@ -106,7 +108,8 @@ def apply(plan: Plan, commit: bool, check: bool) -> tuple[list[FixStatus], Plan]
     finish = plan.finish
     if finish is None:  # no position of the series is known beyond a merge git cannot make
         raise Refused(f"{plan.checkout.path}: the series cannot be finished in the work tree")
-    _git.run(plan.checkout.path, "apply", *finish.args, input=finish.text)  # atomic
+    with _interrupt.change():
+        _git.run(plan.checkout.path, "apply", *finish.args, input=finish.text)  # atomic
     return todo, plan.after(plan.head, last)
 
 
@@ -122,22 +125,25 @@ def revert(plan: Plan, commit: bool, check: bool) -> tuple[list[FixStatus], Plan
     repo = plan.checkout.path
     if not commit:
         changes = [plan.undo[number] for number in range(end, 0, -1)]
-        if all(change.text is None for change in changes):
-            _git.run(repo, "apply", *(arg for change in changes for arg in change.args))
-        else:
-            _git.run(repo, "apply", "-", input="".join(change.text or "" for change in changes))
+        with _interrupt.change():  # one git apply: atomic
+            if all(change.text is None for change in changes):
+                _git.run(repo, "apply", *(arg for change in changes for arg in change.args))
+            else:
+                _git.run(repo, "apply", "-",
+                         input="".join(change.text or "" for change in changes))
         return todo, plan.after(plan.head, 0)
     orig_head = plan.checkout.orig_head()
     identity = _fallback_identity(repo)
-    try:
-        for number in range(end, 0, -1):
-            change, fix = plan.undo[number], plan.patches[number - 1].fix
-            _git.run(repo, "apply", "--index", *change.args, input=change.text)
-            _git.run(repo, "commit", "--quiet", "--no-verify", "-m",
-                     f'Revert "{fix.title}"\n\nVllm-Patches-Fix: {fix.id}', env=identity)
-    except GitError:
-        plan.checkout.roll_back(orig_head)
-        raise
+    with _interrupt.change():  # every revert commit, or (rolled back) none
+        try:
+            for number in range(end, 0, -1):
+                change, fix = plan.undo[number], plan.patches[number - 1].fix
+                _git.run(repo, "apply", "--index", *change.args, input=change.text)
+                _git.run(repo, "commit", "--quiet", "--no-verify", "-m",
+                         f'Revert "{fix.title}"\n\nVllm-Patches-Fix: {fix.id}', env=identity)
+        except GitError:
+            plan.checkout.roll_back(orig_head)
+            raise
     return todo, plan.after(0, 0)
 
 

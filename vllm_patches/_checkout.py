@@ -5,7 +5,9 @@ here; carrying a plan out is ``_carry``'s.
 Every verb opens the checkout under its repository's lock (``opened``, ``_lock``): a
 second run on the same repository waits for the first, or refuses, before it reads
 anything its plan is made of. A git command that fails midway is rolled back to where
-the operation started (``roll_back``).
+the operation started (``roll_back``); a SIGINT or SIGTERM waits for such an operation,
+rollback included, to end (``_interrupt.change``), so the checkout ends exactly as before
+or exactly as after it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_patches import _git, _lock, _releases
+from vllm_patches import _git, _interrupt, _lock, _releases
 from vllm_patches._errors import UserError
 from vllm_patches._git import GitError
 from vllm_patches._patchset import Blobs
@@ -149,15 +151,17 @@ class Checkout:
     def am(self, patches: list[Path], env: dict[str, str], three_way: bool = False) -> None:
         """``git am --keep-non-patch`` (the subjects' ``[Tag]`` prefixes stay) of
         ``patches``, all or nothing: if it fails, abort it (it is ours: the caller refused
-        any operation in progress) and roll back."""
+        any operation in progress) and roll back. One step for a signal (``_interrupt``):
+        it waits for git am and the rollback to end."""
         orig_head = self.orig_head()
-        try:
-            _git.run(self.path, "am", "--quiet", "--keep-non-patch",
-                     *(["--3way"] if three_way else []), *map(str, patches), env=env)
-        except GitError:
-            _git.run(self.path, "am", "--abort", check=False)
-            self.roll_back(orig_head)
-            raise
+        with _interrupt.change():
+            try:
+                _git.run(self.path, "am", "--quiet", "--keep-non-patch",
+                         *(["--3way"] if three_way else []), *map(str, patches), env=env)
+            except GitError:
+                _git.run(self.path, "am", "--abort", check=False)
+                self.roll_back(orig_head)
+                raise
 
     def roll_back(self, orig_head: str | None) -> None:
         """HEAD, the index and the files the operation changed back where it found them,
@@ -176,7 +180,9 @@ class Checkout:
 def opened(given: Path, verb: str, *, writes: bool) -> Iterator[Checkout]:
     """The checkout at ``given``, under its repository's lock for the block (exclusive
     when the verb ``writes``, shared for a reader): opened again once the lock is held,
-    so that the HEAD its plan and a rollback use is the one no other run moves."""
+    so that the HEAD its plan and a rollback use is the one no other run moves. A signal
+    in the block says whether the checkout was changed (``_interrupt.guard``)."""
     found = Checkout.open(given)
-    with _lock.hold(found.common_dir, found.path, verb, shared=not writes):
+    with _lock.hold(found.common_dir, found.path, verb, shared=not writes), \
+            _interrupt.guard(found.path, verb):
         yield Checkout.open(given)

@@ -12,7 +12,10 @@ warns that no fix is or would be active, and exits 0 unless the environment is s
 2 bad input (bad arguments, a file or missing path, not a git repository, not a vLLM
 tree, a release that is not vX.Y.Z, that the series does not cover, that cannot be
 told, or that the checkout's own release contradicts; `regen` and `matrix` without ruff,
-from the dev extras, said before anything is fetched). A reader that leaves early
+from the dev extras, said before anything is fetched); 130 interrupted by SIGINT (Ctrl-C),
+143 by SIGTERM, with one line that says whether the checkout was changed: `apply`,
+`revert` and `export --onto` leave it exactly as before or exactly as after, never half
+done (``_interrupt``). A reader that leaves early
 (``vllm-patches list -v | head``) changes no exit code: the rest of the output is
 dropped and the verb ends with its own code. Whether a write fails depends on timing
 (output that fits the pipe's buffer is written before ``head`` leaves), so 141, as a
@@ -27,9 +30,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from vllm_patches import _interrupt
 from vllm_patches._errors import Refused, UserError
 from vllm_patches._words import count
 
@@ -128,29 +135,40 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_REFUSED if any(s.state is State.CONFLICT for s in plan.statuses) else EXIT_OK
 
 
-def _default_checkout(release) -> Path:
-    """A fresh working copy of the (default) release in the current directory."""
+@contextmanager
+def _default_checkout(release) -> Iterator[Path]:
+    """A fresh working copy of the (default) release in the current directory, for the
+    block (`apply` without a checkout). A signal that ends the run before `apply` changed
+    it removes the copy this run made: the directory is there, patched, or not at all."""
     from vllm_patches import _git, _releases, _series
 
     release = release or _series.load().default_release
     target = Path.cwd() / f"vllm-v{release}"
-    if not target.exists():
-        _series.load().require_covered(release)
-        pristine = _releases.fetch(release)
+    if target.exists():
+        yield target
+        return
+    _series.load().require_covered(release)
+    pristine = _releases.fetch(release)
+    try:
         _git.run(Path.cwd(), "clone", "--quiet", str(pristine), str(target))
         print(f"fetched vLLM v{release} into {target}")
-    return target
+        yield target
+    except _interrupt.Interrupted:
+        if not _interrupt.changed():
+            shutil.rmtree(target, ignore_errors=True)
+        raise
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
     from vllm_patches import _carry
 
-    if args.checkout is None:
-        args.checkout = str(_default_checkout(args.release))
-    with _opened(args, "apply", writes=True) as checkout:
-        plan = _plan(checkout, args, "apply", args.three_way)
-        done, after = _carry.apply(plan, commit=not args.no_commit, check=args.check)
-        return _report(after, done, args.check, "applies", "apply")
+    with (_default_checkout(args.release) if args.checkout is None
+          else nullcontext(Path(args.checkout))) as path:
+        args.checkout = str(path)
+        with _opened(args, "apply", writes=True) as checkout:
+            plan = _plan(checkout, args, "apply", args.three_way)
+            done, after = _carry.apply(plan, commit=not args.no_commit, check=args.check)
+            return _report(after, done, args.check, "applies", "apply")
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
@@ -429,6 +447,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the verb of ``argv`` (None: this process's command line, whose signal handlers
+    then stay until it exits; given: a caller in this process, whose handlers are put
+    back) and return its exit code. A SIGINT or SIGTERM, from the first statement on, is
+    one line and 130 or 143 (``_interrupt``)."""
+    with _interrupt.handled(restore=argv is not None):
+        try:
+            try:
+                return _main(argv)
+            finally:
+                _interrupt.stop()  # a signal that comes later changes nothing
+        except _interrupt.Interrupted as exc:
+            print(f"vllm-patches: {exc}", file=sys.stderr)
+            return exc.exit_code
+
+
+def _main(argv: list[str] | None) -> int:
     stdout, sys.stdout = sys.stdout, _ReaderMayLeave(sys.stdout)
     try:
         args = build_parser().parse_args(argv)

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_patches import _interrupt
 from vllm_patches._errors import Refused
 
 
@@ -18,15 +19,21 @@ class GitError(Refused):
 
 def run(repo: Path, *args: str, env: dict[str, str] | None = None, check: bool = True,
         input: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``git -C repo args``; raise GitError with git's stderr when ``check`` and it fails."""
+    """Run ``git -C repo args``; raise GitError with git's stderr when ``check`` and it fails.
+
+    git runs in a session of its own and a SIGINT or SIGTERM waits for it to end
+    (``_interrupt``): a terminal's Ctrl-C or a `timeout` that signals our process group
+    never kills git halfway through writing the index, a ref or the work tree."""
     full_env = {**os.environ, **env} if env else None
-    proc = subprocess.run(
-        ["git", "-C", str(repo), *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        input=input,
-    )
+    with _interrupt.child():
+        proc = subprocess.run(
+            ["git", "-C", str(repo), *args],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            input=input,
+            start_new_session=True,
+        )
     if check and proc.returncode != 0:
         message = (proc.stderr or proc.stdout).strip().splitlines()
         raise GitError(f"git {args[0]} failed in {repo}: {message[0] if message else proc.returncode}")

@@ -1,0 +1,198 @@
+"""SIGINT and SIGTERM at any instant of a real `apply` or `revert` (issue 29, item 1).
+
+A user's `timeout -s INT 0.2 vllm-patches apply .` (or Ctrl-C on a terminal, which
+signals the whole process group, git's children included) left a traceback and, by
+timing, `.git/rebase-apply` with a stale `.git/index.lock` (the next `apply` refused and
+`git am --abort` failed on the lock), or 4 of 5 commits with a `git am` in progress, or
+one commit and a dirty file. Each trial here signals one run, at a point spread over
+the verb's own duration, to the process alone or to its process group, and checks
+that the checkout ends exactly as before the run or exactly as after it, with one line
+on stderr and exit 130 (SIGINT) or 143 (SIGTERM), or 0 where the run ended first.
+
+No timed assertion: the delays only choose where the signal lands; every outcome is
+judged by what it is. A trial counts from the moment the run installed its handlers
+(seen in ``/proc/PID/status``; on code without handlers, from its first child).
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import git
+
+from vllm_patches import _series
+
+ENV = {**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}
+SERIES = _series.load()
+TITLES = [fix.title for fix in SERIES.fixes]  # v0.21.0 needs every fix of the series
+REVERTS = [f'Revert "{title}"' for title in reversed(TITLES)]
+TRIALS = 28  # per verb; on unguarded code about half of them went wrong (CONTRIBUTING.md)
+CLONE_TRIALS = 8
+# (signal, to the whole process group as a terminal's Ctrl-C does, or to the run alone)
+HOW = [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGINT, False),
+       (signal.SIGTERM, True)]
+_HANDLED = 1 << (signal.SIGTERM - 1)  # bit of SIGTERM in /proc/PID/status SigCgt
+
+
+def _ready(pid: int) -> bool:
+    """Whether the run installed its signal handlers (Python's own handles SIGINT
+    only), or, on code that installs none, started its first child."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return True  # gone: it ended
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) & _HANDLED) or bool(children.strip())
+
+
+def start(*argv: str, cwd: Path | None = None) -> tuple[subprocess.Popen, float]:
+    """The verb running in a session of its own (so that signalling its group spares
+    pytest), and when it became ready."""
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_patches", *argv], env=ENV, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    while not _ready(proc.pid):
+        time.sleep(0.001)
+    return proc, time.monotonic()
+
+
+def interrupt(argv: tuple[str, ...], trial: int, duration: float,
+              cwd: Path | None = None) -> tuple[str, list[str]]:
+    """Run ``argv`` and signal it as ``trial`` says, at a point spread over ``duration``
+    and a little beyond it (there the run ends first); how it was signalled, and what is
+    wrong with its exit code and stderr."""
+    signum, group = HOW[trial % len(HOW)]
+    delay = duration * 1.1 * ((trial * 0.618034) % 1)
+    proc, ready = start(*argv, cwd=cwd)
+    time.sleep(max(0.0, ready + delay - time.monotonic()))
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+    _out, err = proc.communicate(timeout=120)
+    problems = []
+    if proc.returncode not in (0, 128 + signum):
+        problems.append(f"exit {proc.returncode}")
+    lines = err.strip().splitlines()
+    if "Traceback" in err or len(lines) > 1:
+        problems.append(f"{len(lines)} lines on stderr, the last {lines[-1][:120]!r}")
+    elif proc.returncode != 0 and not err.startswith("vllm-patches: interrupted ("):
+        problems.append(f"not the interruption line: {err[:200]!r}")
+    if proc.returncode == 0:
+        problems.append("exit 0")  # the caller removes it where the run had ended
+    how = f"{signal.Signals(signum).name} to the {'group' if group else 'process'}"
+    return f"trial {trial} ({how} at {delay:.3f} s)", problems
+
+
+class Checkout:
+    """The user's checkout with work of their own the verbs must not touch: a stash, an
+    untracked file and an unstaged change in a file the series does not change."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.git_dir = path / ".git"
+        (path / "README.md").write_text("stashed by the user\n")
+        git(path, "stash", "push", "-q", "-m", "the user's stash")
+        (path / "notes.txt").write_text("the user's untracked file\n")
+        self.base = git(path, "rev-parse", "HEAD").strip()
+        self.readme = (path / "README.md").read_text() + "an unstaged change of the user's\n"
+
+    def reset(self, commit: str) -> None:
+        """Back to ``commit`` with the user's own work, whatever a trial left behind."""
+        (self.git_dir / "index.lock").unlink(missing_ok=True)
+        subprocess.run(["git", "-C", str(self.path), "am", "--abort"], capture_output=True,
+                       check=False)
+        shutil.rmtree(self.git_dir / "rebase-apply", ignore_errors=True)
+        git(self.path, "reset", "-q", "--hard", commit)
+        (self.path / "README.md").write_text(self.readme)
+
+    def state(self) -> dict[str, object]:
+        return {
+            "refs": git(self.path, "for-each-ref", "--format=%(refname) %(objectname)"),
+            "HEAD": git(self.path, "rev-parse", "HEAD").strip(),
+            "tree": git(self.path, "rev-parse", "HEAD^{tree}").strip(),
+            "subjects": git(self.path, "log", "--format=%s", f"{self.base}..HEAD")
+            .splitlines()[::-1],
+            "status": git(self.path, "status", "--porcelain"),
+            "stash": git(self.path, "stash", "list"),
+            "in progress": sorted(name for name in ("rebase-apply", "index.lock", "MERGE_HEAD")
+                                  if (self.git_dir / name).exists()),
+        }
+
+
+def outcome(before: dict, after: dict, found: dict) -> str:
+    """"before" or "after" when ``found`` is exactly one of them (the after state's
+    commits are new ones each time: compared by subjects and tree), else what differs."""
+    if found == before:
+        return "before"
+    same = ("tree", "subjects", "status", "stash", "in progress")
+    if all(found[key] == after[key] for key in same) and \
+            found["refs"].replace(found["HEAD"], "NEW") == after["refs"].replace(after["HEAD"],
+                                                                                "NEW"):
+        return "after"
+    return "; ".join(f"{key}: {found[key]!r}"[:150] for key in found
+                     if found[key] != before[key] and found[key] != after[key])
+
+
+def trials(checkout: Checkout, verb: str, start_commit: str) -> tuple[str, list[str]]:
+    """Run ``verb`` once to completion from ``start_commit``, then TRIALS times with a
+    signal; the commit it reached, and what went wrong."""
+    checkout.reset(start_commit)
+    before = checkout.state()
+    proc, ready = start(verb, str(checkout.path))
+    out, err = proc.communicate(timeout=120)
+    duration = time.monotonic() - ready
+    assert proc.returncode == 0 and "done: " in out, (out, err)
+    after = checkout.state()
+    failures = []
+    for trial in range(TRIALS):
+        checkout.reset(start_commit)
+        which, problems = interrupt((verb, str(checkout.path)), trial, duration)
+        state = outcome(before, after, checkout.state())
+        if state == "after" and "exit 0" in problems:
+            problems.remove("exit 0")  # it ended before the signal
+        elif state not in ("before", "after"):
+            problems.append(f"checkout neither before nor after: {state}")
+        if problems:
+            failures.append(f"{verb} {which}: " + "; ".join(problems))
+    checkout.reset(start_commit)
+    return after["HEAD"], failures
+
+
+def test_apply_and_revert_survive_sigint_and_sigterm_at_any_instant(checkout):
+    user = Checkout(checkout)
+    applied, failures = trials(user, "apply", user.base)
+    assert user.state()["subjects"] == []
+    _, reverted = trials(user, "revert", applied)
+    failures += reverted
+    assert not failures, f"{len(failures)} of {2 * TRIALS} trials:\n" + "\n".join(failures)
+
+
+def test_apply_without_a_checkout_leaves_its_clone_whole_or_none(tmp_path):
+    """`apply` with no checkout clones the default release into ./vllm-vX.Y.Z and applies
+    the series there: interrupted, the directory is there with the series committed,
+    or not there at all (never a clone without the series, which a second `apply`
+    would take for the user's)."""
+    target = tmp_path / f"vllm-v{SERIES.default_release}"
+    proc, ready = start("apply", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    duration = time.monotonic() - ready
+    assert proc.returncode == 0 and "done: " in out, (out, err)
+    failures = []
+    for trial in range(CLONE_TRIALS):
+        shutil.rmtree(target, ignore_errors=True)
+        which, problems = interrupt(("apply",), trial, duration, cwd=tmp_path)
+        if target.exists():
+            subjects = git(target, "log", "--format=%s", "-n", str(len(TITLES)))
+            if subjects.splitlines()[::-1] != TITLES or git(target, "status", "--porcelain"):
+                problems.append(f"a clone without the whole series: {subjects!r}")
+            elif "exit 0" in problems:
+                problems.remove("exit 0")  # it ended before the signal
+        if problems:
+            failures.append(f"{which}: " + "; ".join(problems))
+    assert not failures, f"{len(failures)} of {CLONE_TRIALS} trials:\n" + "\n".join(failures)

@@ -1,0 +1,168 @@
+"""SIGINT and SIGTERM: a run stops where stopping cannot leave the user's checkout half
+changed, says so in one line, and exits 130 or 143 (128 + the signal, as a shell reports
+a command the signal killed).
+
+A user's `timeout -s INT 0.2 vllm-patches apply .`, or Ctrl-C on a terminal (which
+signals the whole foreground process group, git's children included), used to print a
+traceback and leave, by timing, a `git am` in progress with a stale `.git/index.lock`,
+4 of 5 commits, or a commit and a dirty file. Decisions:
+
+- **git's children cannot be signalled by the terminal**: ``_git.run`` starts each in a
+  session of its own (``start_new_session``), so a Ctrl-C or a `timeout` that signals
+  the group reaches this process alone, and no git command dies holding a lock or
+  halfway through writing the index, the work tree or a ref.
+- **A signal waits for the git command that runs** (``child``): the handler records it
+  and ``Interrupted`` is raised when the command has ended. Elsewhere it is raised at
+  once, where the signal lands, as ``KeyboardInterrupt`` would be: reading, planning,
+  waiting for the repository's lock and downloading stop without delay, and their
+  ``finally`` blocks (scratch directories, the lock) run as on any other error.
+- **A change to the checkout is one step a signal waits for** (``change``): git am of
+  the series, its revert commits, the ``git apply`` of `--no-commit`, with the rollback
+  they do on a git failure. The step ends all or nothing (done, or rolled back to the
+  start), then the signal is raised: the checkout is exactly as before the run or
+  exactly as after it. The steps take well under a second (git am of five patches:
+  about 0.2 s); a second signal meanwhile changes nothing.
+  Rejected: building the commits in a scratch repository and moving the branch at the
+  end. It would also survive ``kill -9`` of this process during git am (then git am
+  goes on to its end in its own session anyway), but git am would run without the
+  repository's own configuration (identity, hooks) and the verb would pay several
+  git commands more, for no difference under SIGINT and SIGTERM.
+- **One line, true of the checkout**: the line says whether the writing verb's checkout
+  was changed (``guard``): "nothing was changed", or, when the signal came after the
+  step, that the change is complete. Other verbs say only that they were interrupted.
+- **Only the first signal counts**: once ``Interrupted`` is raised, further signals are
+  ignored, so the cleanup on its way out is not cut short; so is a signal after the
+  verb has ended (``stop``): its exit code and output stand.
+
+The window this cannot cover: the interpreter's start-up, before ``_cli.main`` installs
+the handlers (Python's own SIGINT handler raises ``KeyboardInterrupt`` there; SIGTERM
+kills). Nothing of the checkout has been read then.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """A SIGINT or SIGTERM ended the run; ``exit_code`` is 128 + the signal. A
+    ``BaseException``, as ``KeyboardInterrupt`` is: no ``except Exception`` (nor
+    ``except UserError``, which turns refusals into their line) stops it on its way to
+    ``_cli.main``."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class _Run:
+    """What this run's handlers know: the first signal, whether one may be raised, how many
+    steps that a signal waits for are running, and the checkout a writing verb guards."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.silent = False  # raised, or the verb has ended: nothing more is raised
+        self.waiting = 0
+        self.checkout: tuple[Path, str] | None = None  # (path, verb)
+        self.changed = False
+
+    def message(self) -> str:
+        assert self.signum is not None
+        text = f"interrupted ({signal.Signals(self.signum).name})"
+        if self.checkout is None:
+            return text
+        path, verb = self.checkout
+        if self.changed:
+            return f"{text} after `{verb}` changed {path}; that change is complete"
+        return f"{text}; nothing was changed in {path}"
+
+    def raise_pending(self) -> None:
+        """Raise the recorded signal, unless a step it waits for runs or it was raised."""
+        if self.signum is not None and not self.waiting and not self.silent:
+            self.silent = True
+            raise Interrupted(self.signum, self.message())
+
+
+_run = _Run()
+
+
+def _record(signum: int, _frame) -> None:
+    if _run.signum is None:
+        _run.signum = signum
+    _run.raise_pending()
+
+
+@contextmanager
+def handled(restore: bool) -> Iterator[None]:
+    """SIGINT and SIGTERM handled as the module docstring says from here (the start of a
+    verb); after the block, the handlers before are put back where ``restore`` (a caller
+    in this process goes on), else the signals are blocked until the process exits (the
+    interpreter's finalization puts the default handlers back, and a signal then would
+    kill the process after the verb ended). Outside the main thread, where Python allows
+    no handler, nothing changes."""
+    global _run
+    _run = _Run()
+    try:
+        before = {signum: signal.signal(signum, _record) for signum in SIGNALS}
+    except ValueError:  # not the main thread
+        before = {}
+    try:
+        yield
+    finally:
+        _run.silent = True
+        if restore:
+            for signum, handler in before.items():
+                signal.signal(signum, handler)
+        elif before:
+            signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+
+
+def changed() -> bool:
+    """Whether a step of this run changed the checkout (``change``)."""
+    return _run.changed
+
+
+def stop() -> None:
+    """The verb has ended: a signal from now on is ignored (its exit code stands)."""
+    _run.silent = True
+
+
+@contextmanager
+def child() -> Iterator[None]:
+    """A child process runs in the block: a signal waits for the block's end."""
+    _run.waiting += 1
+    try:
+        yield
+    finally:
+        _run.waiting -= 1
+        _run.raise_pending()
+
+
+@contextmanager
+def change() -> Iterator[None]:
+    """The block changes the guarded checkout, all or nothing (it rolls back what it did
+    on a failure): a signal waits for its end. Ended without an exception, the change
+    counts as made, before any signal can be raised."""
+    _run.waiting += 1
+    try:
+        yield
+        _run.changed = True
+    finally:
+        _run.waiting -= 1
+        _run.raise_pending()
+
+
+@contextmanager
+def guard(path: Path, verb: str) -> Iterator[None]:
+    """The block is a writing verb on the checkout at ``path``: an interruption says
+    whether the checkout was changed."""
+    _run.checkout, _run.changed = (path, verb), False
+    try:
+        yield
+    finally:
+        _run.checkout = None
