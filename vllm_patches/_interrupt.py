@@ -20,8 +20,8 @@ traceback and leave, by timing, a `git am` in progress with a stale `.git/index.
   the series, its revert commits, the ``git apply`` of `--no-commit`, with the rollback
   they do on a git failure. The step ends all or nothing (done, or rolled back to the
   start), then the signal is raised: the checkout is exactly as before the run or
-  exactly as after it. The steps take well under a second (git am of five patches:
-  about 0.2 s); a second signal meanwhile changes nothing.
+  exactly as after it. The steps are short (a few git commands on the files the series
+  touches), so the wait is too; a second signal meanwhile changes nothing.
   Rejected: building the commits in a scratch repository and moving the branch at the
   end. It would also survive ``kill -9`` of this process during git am (then git am
   goes on to its end in its own session anyway), but git am would run without the
