@@ -33,6 +33,7 @@ def run(repo: Path, *args: str, env: dict[str, str] | None = None, check: bool =
             env=full_env,
             input=input,
             start_new_session=True,
+            check=False,
         )
     if check and proc.returncode != 0:
         message = (proc.stderr or proc.stdout).strip().splitlines()
