@@ -151,12 +151,13 @@ def download(release: str, wheels: Path) -> None:
 
 
 def split(wheels: Path, kit: Path, part_bytes: int) -> list[Path]:
-    """Cut every file of ``wheels`` into parts of at most ``part_bytes``, pack the parts
+    """Cut every wheel of ``wheels`` into parts of at most ``part_bytes``, pack the parts
     into ``kit``/batch-NN folders of at most ``part_bytes`` each (first fit, in
     order), and put the manifest into every folder. Returns the folders."""
-    files = sorted(p for p in wheels.iterdir() if p.is_file())
+    # Wheels only: uv build leaves a .gitignore there, which `cp dir/*` skips.
+    files = sorted(wheels.glob("*.whl"))
     if not files:
-        raise KitError(f"{wheels}: no files to split")
+        raise KitError(f"{wheels}: no wheels to split")
     for old in kit.glob("batch-*"):
         for path in old.iterdir():
             path.unlink()
