@@ -193,12 +193,18 @@ def split(wheels: Path, kit: Path, part_bytes: int) -> list[Path]:
 
 
 def ready_commands(folders: list[Path], modes: list[str], tier_gib: int) -> list[dict]:
-    """The run tool's calls, in order: {"command": ..., "carry": [...]}."""
+    """The run tool's calls, in order: {"command": ..., "carry": [...]}. Each upload
+    prints how many files /tmp/gpukit/parts holds and how many it should: /tmp lasts
+    only while the machine stays warm (30 s after a call), so a lower count means a
+    fresh machine, and the uploads start again from the first batch."""
     calls = []
+    uploaded = 1  # the manifest
     for folder in folders:
         relative = folder.relative_to(REPO).as_posix()
+        uploaded += sum(1 for p in folder.iterdir() if p.name != MANIFEST)
         calls.append({"command": f"mkdir -p /tmp/gpukit/parts && cp {relative}/* "
-                                 f"/tmp/gpukit/parts/ && ls /tmp/gpukit/parts | wc -l",
+                                 f"/tmp/gpukit/parts/ && echo $(ls /tmp/gpukit/parts | "
+                                 f"wc -l) of {uploaded} expected",
                       "carry": [relative]})
     calls.append({"command": "python3 tools/gpu_kit.py reassemble /tmp/gpukit/parts "
                              "/tmp/gpukit/wheels && python3 tools/gpu_kit.py install "

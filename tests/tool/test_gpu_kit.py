@@ -114,6 +114,8 @@ def test_ready_commands_fit_the_run_tool(tmp_path, monkeypatch):
     assert all(len(c["command"]) <= 2000 and len(c["carry"]) <= 8 for c in calls)
     assert [c["carry"] for c in calls[: len(folders)]] == [
         [f"kit/{f.name}"] for f in folders]
+    parts = sum(1 for f in folders for p in f.iterdir() if p.name != gpu_kit.MANIFEST)
+    assert calls[len(folders) - 1]["command"].endswith(f"of {parts + 1} expected")
     assert "reassemble" in calls[-3]["command"] and "install" in calls[-3]["command"]
     assert "--modes fixed" in calls[-2]["command"] and "--modes stock" in calls[-1]["command"]
 
