@@ -1,33 +1,46 @@
 """F4 on a real CUDA machine (torch only, no vLLM): does a background
-cudaHostRegister break CUDA-graph capture, and what does it cost the main thread?
+cudaHostRegister break CUDA-graph capture, and what does it cost the serving thread?
 
 The main thread does what a vLLM worker does at startup and while serving: it
 captures CUDA graphs with torch.cuda.graph (torch's default capture_error_mode
-"global", as vLLM) and runs small timed kernels. A background thread pins N GiB of
-host memory:
+"global", as vLLM) and runs small timed kernels (the serving thread). A background
+thread zeroes and pins N GiB of host memory:
 
 - ``before``  (F4 until this change, and upstream's reverted PR 45850): the pin
   thread starts before capture, one cudaHostRegister for the whole tensor;
-- ``before-chunks``: the pin thread starts before capture, in chunks of --chunk-gib:
-  cudaHostRegister calls that begin while a capture is open (a single call that
-  enters the driver before the first capture begins cannot show the race);
-- ``after``   (F4 now): capture first, then the pin thread, in row-aligned chunks of
-  --chunk-gib (2 GiB, F4's AsyncCacheRegistration.CHUNK_BYTES);
-- ``after-whole``: capture first, then one cudaHostRegister for the whole tensor
-  (one big registration vs chunks, for the driver-lock stall).
+- ``before-chunks``: the pin thread starts before capture, in chunks: calls that
+  begin while a capture is open (a single call that enters the driver before the
+  first capture begins cannot show the race);
+- ``after``   (F4 now): capture first, then the pin thread, in row-aligned chunks
+  (2 GiB is F4's AsyncCacheRegistration.CHUNK_BYTES);
+- ``after-whole``: capture first, then one cudaHostRegister for the whole tensor.
 
-Per scenario and size it reports: whether every capture succeeded (and replays),
-the error codes cudaHostRegister returned (900 = cudaErrorStreamCaptureUnsupported,
-2 = cudaErrorMemoryAllocation), the pin's total and longest single call, and the
-main thread's kernel latency (launch + synchronize of a tiny kernel) p50/p99 while
-the pin runs, next to the same without a pin. Each scenario runs in its own child
-process, so a broken capture or a sticky CUDA error cannot spoil the next one.
+Variants, each a flag, applying to every scenario of the run:
+- ``--hugepages none|thp|hugetlb|auto``: back the tier with huge pages, asked for
+  before the zero-fill touches it (madvise(MADV_HUGEPAGE), or MAP_HUGETLB from the
+  reserved pool); the record says which was used and why not the one asked for;
+- ``--zero-threads N``: zero each chunk on N threads instead of one;
+- ``--pace-share B``: sleep between register calls so that the calls fill at most B
+  of the pin window (benchmarks/_pin_window.Pacer; 0 = unpaced).
+
+One JSON record per scenario, chunk size and tier size on stdout (and appended to
+``--out``): capture outcome, cudaHostRegister return codes (900 =
+cudaErrorStreamCaptureUnsupported, 2 = cudaErrorMemoryAllocation), the pin's total,
+zero-fill, register and sleep times and longest call, the serving thread's latency
+p50/p90/p99/max idle and during the pin window, and the stall share (defined in
+benchmarks/_pin_window.py: samples longer than --stall-k x idle p50, as a fraction of
+the pin window; ``idle_stall_share`` is the same rule on the idle samples; in the
+``before*`` scenarios the serving thread samples only once capture ended, so read
+the stall share of ``after*``). Each
+record runs in its own child process, so a broken capture or a sticky CUDA error
+cannot spoil the next one.
 
 Usage:
-  python benchmarks/gpu_f4_pin_during_capture.py [--sizes-gib 16,64] [--chunk-gib 2]
-      [--graphs 40] [--scenarios before,after,after-whole]
+  python benchmarks/gpu_f4_pin_during_capture.py [--sizes-gib 16,64]
+      [--chunk-gib 1,2,4] [--graphs 40] [--scenarios after,after-whole]
+      [--hugepages auto] [--zero-threads 8] [--pace-share 0.25] [--out F.jsonl]
   python benchmarks/gpu_f4_pin_during_capture.py --dry-run   # no GPU: plan only
-Sizes above 80 % of the host's available memory are skipped (said so in the table).
+Sizes above 80 % of the host's available memory are skipped (a record says so).
 """
 
 from __future__ import annotations
@@ -39,9 +52,25 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package
+from _pin_window import (
+    GIB,
+    HUGE_PAGE,
+    PACE_SHARE,
+    STALL_K,
+    HostAllocator,
+    Pacer,
+    chunk_plan,
+    percentiles,
+    run_parallel,
+    split_range,
+    stall_share,
+)
 
 SCENARIOS = ("before", "before-chunks", "after", "after-whole")
-GIB = 1 << 30
+WHOLE = ("before", "after-whole")
 
 
 def _available_bytes() -> int:
@@ -55,23 +84,22 @@ def _available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _chunks(nbytes: int, row_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """(offset, length) ranges: whole rows, at most ``chunk_bytes`` (one row at least)."""
-    rows = nbytes // row_bytes
-    per = max(1, chunk_bytes // row_bytes)
-    return [(r * row_bytes, min(per, rows - r) * row_bytes) for r in range(0, rows, per)]
-
-
 class Pinner(threading.Thread):
     """Zeroes and pins ``tensor`` in ``ranges``; records each call's code and time."""
 
-    def __init__(self, tensor, ranges, device) -> None:
+    def __init__(self, tensor, ranges, device, zero_threads: int,
+                 pacer: Pacer | None) -> None:
         super().__init__(daemon=True, name="pin")
         self.tensor, self.ranges, self.device = tensor, ranges, device
+        self.zero_threads, self.pacer = zero_threads, pacer
         self.codes: list[int] = []
         self.call_s: list[float] = []
+        self.zero_s = 0.0
         self.registered: list[int] = []
         self.started_at = self.ended_at = 0.0
+
+    def _zero(self, offset: int, length: int) -> None:
+        self.tensor[offset : offset + length].zero_()
 
     def run(self) -> None:
         import torch
@@ -80,8 +108,13 @@ class Pinner(threading.Thread):
         torch.cuda.set_device(self.device)
         base = self.tensor.data_ptr()
         self.started_at = time.perf_counter()
+        if self.pacer is not None:
+            self.pacer.start()
         for offset, length in self.ranges:
-            self.tensor[offset : offset + length].zero_()
+            started = time.perf_counter()
+            run_parallel(split_range(offset, length, self.zero_threads, HUGE_PAGE),
+                         self._zero)
+            self.zero_s += time.perf_counter() - started
             started = time.perf_counter()
             code = cudart.cudaHostRegister(base + offset, length, 0).value
             self.call_s.append(time.perf_counter() - started)
@@ -89,6 +122,8 @@ class Pinner(threading.Thread):
             if code != 0:
                 break
             self.registered.append(base + offset)
+            if self.pacer is not None:
+                self.pacer.after_call(self.call_s[-1])
         self.ended_at = time.perf_counter()
 
     def unregister(self) -> None:
@@ -136,133 +171,172 @@ def _capture(num_graphs: int, pinning: Pinner | None = None) -> dict:
             "capture_errors": errors[:5]}
 
 
-def _latencies(stop: threading.Event | None, seconds: float) -> list[float]:
-    """Tiny-kernel latencies (launch + synchronize), until ``stop`` or ``seconds``."""
+def _samples(stop: threading.Event | None, seconds: float) -> list[tuple[float, float]]:
+    """The serving thread: (start, duration) of tiny-kernel launch + synchronize,
+    back to back, until ``stop`` or ``seconds``."""
     import torch
 
     x = torch.zeros(1024, device="cuda")
-    out: list[float] = []
+    out: list[tuple[float, float]] = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline and not (stop is not None and stop.is_set()):
         started = time.perf_counter()
         x.add_(1)
         torch.cuda.synchronize()
-        out.append(time.perf_counter() - started)
+        out.append((started, time.perf_counter() - started))
     return out
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _us(stats: dict) -> dict:
+    return {k: (v if k == "n" else v * 1e6) for k, v in stats.items()}
 
 
-def child(scenario: str, gib: int, chunk_gib: int, graphs: int, row_mib: int) -> dict:
+def child(args: argparse.Namespace, scenario: str, gib: int, chunk_gib: float) -> dict:
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.init()
-    baseline = _latencies(None, 2.0)
+    idle = _samples(None, 2.0)
+    idle_stats = percentiles([d for _, d in idle])
+    threshold = args.stall_k * idle_stats["p50"]
     nbytes = gib * GIB
-    tensor = torch.empty(nbytes, dtype=torch.uint8)
-    whole = scenario in ("before", "after-whole")
-    ranges = [(0, nbytes)] if whole else _chunks(nbytes, row_mib << 20, chunk_gib * GIB)
-    pinner = Pinner(tensor, ranges, device)
+    allocator = HostAllocator()
+    thp_before = allocator.anon_huge_bytes()
+    host = allocator.allocate(nbytes, args.hugepages)
+    tensor = torch.frombuffer(host.buffer, dtype=torch.uint8, count=nbytes)
+    ranges = ([(0, nbytes)] if scenario in WHOLE
+              else chunk_plan(nbytes, args.row_mib << 20, int(chunk_gib * GIB)))
+    pacer = Pacer(args.pace_share) if args.pace_share > 0 else None
+    pinner = Pinner(tensor, ranges, device, args.zero_threads, pacer)
     done = threading.Event()
-    result: dict = {"scenario": scenario, "gib": gib, "calls": len(ranges)}
+    record: dict = {
+        "scenario": scenario, "size_gib": gib,
+        "chunk_gib": None if scenario in WHOLE else chunk_gib, "calls": len(ranges),
+        "hugepages": args.hugepages, "hugepages_used": host.used,
+        "hugepages_why": host.why, "zero_threads": args.zero_threads,
+        "torch_threads": torch.get_num_threads(),
+        "pace_share": args.pace_share or None, "stall_k": args.stall_k,
+    }
     if scenario.startswith("before"):
         pinner.start()
-        result |= _capture(graphs, pinner)
+        record |= _capture(args.graphs, pinner)
     else:
-        result |= _capture(graphs)
+        record |= _capture(args.graphs)
         pinner.start()
     watcher = threading.Thread(target=lambda: (pinner.join(), done.set()), daemon=True)
     watcher.start()
-    during = _latencies(done, 3600.0)
+    during = _samples(done, 3600.0)
     pinner.join()
-    pinner.unregister()
-    result |= {
+    window = (pinner.started_at, pinner.ended_at)
+    in_window = [s for s in during if window[0] <= s[0] <= window[1]]
+    record |= {
+        "thp_bytes_after_fill": allocator.anon_huge_bytes() - thp_before,
         "pin_codes": sorted(set(pinner.codes)),
         "pin_s": pinner.ended_at - pinner.started_at,
+        "zero_s": pinner.zero_s,
+        "register_s": sum(pinner.call_s),
+        "sleep_s": pacer.slept_s if pacer is not None else 0.0,
         "longest_call_s": max(pinner.call_s, default=0.0),
-        "base_p50_us": _pct(baseline, 0.5) * 1e6,
-        "base_p99_us": _pct(baseline, 0.99) * 1e6,
-        "pin_p50_us": _pct(during, 0.5) * 1e6,
-        "pin_p99_us": _pct(during, 0.99) * 1e6,
-        "pin_max_ms": max(during, default=float("nan")) * 1e3,
-        "samples": len(during),
+        "idle_us": _us(idle_stats),
+        "serving_us": _us(percentiles([d for _, d in in_window])),
+        "stall_threshold_us": threshold * 1e6,
+        "stall_share": stall_share(during, window, threshold),
+        "idle_stall_share": stall_share(idle, (idle[0][0], idle[-1][0] + idle[-1][1]),
+                                        threshold) if idle else 0.0,
     }
-    return result
+    pinner.unregister()
+    return record
+
+
+def _context() -> dict:
+    """When and on what the records were measured (a figure needs both)."""
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("VLLM_PATCHES_COMMIT", "unknown")
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commit": commit, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-gib", default="16,64")
-    parser.add_argument("--chunk-gib", type=int, default=2)
+    parser.add_argument("--chunk-gib", default="2",
+                        help="chunk sizes to sweep, comma-separated (GiB, may be < 1)")
     parser.add_argument("--row-mib", type=int, default=2, help="bytes per block row")
     parser.add_argument("--graphs", type=int, default=40)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--hugepages", default="none", choices=HostAllocator.MODES)
+    parser.add_argument("--zero-threads", type=int, default=1)
+    parser.add_argument("--pace-share", type=float, default=0.0,
+                        help=f"bound of the register calls' share of the pin window "
+                             f"(0 = unpaced; {PACE_SHARE} is the justified default)")
+    parser.add_argument("--stall-k", type=float, default=STALL_K)
+    parser.add_argument("--out", type=Path, help="also append the records here (JSONL)")
     parser.add_argument("--dry-run", "--cpu", action="store_true",
-                        help="no GPU: print the plan (sizes, scenarios, chunks) only")
+                        help="no GPU: print the plan's records (sizes, chunks, calls)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_gib.split(",")]
+    chunks = [float(c) for c in args.chunk_gib.split(",")]
     scenarios = [s for s in args.scenarios.split(",") if s]
     if unknown := set(scenarios) - set(SCENARIOS):
         parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {SCENARIOS}")
+    if args.zero_threads < 1 or not 0 <= args.pace_share:
+        parser.error("--zero-threads must be >= 1 and --pace-share >= 0")
 
     if args.child:
-        scenario, gib = args.child.split(":")
-        print(json.dumps(child(scenario, int(gib), args.chunk_gib, args.graphs,
-                               args.row_mib)))
+        scenario, gib, chunk_gib = args.child.split(":")
+        print(json.dumps(child(args, scenario, int(gib), float(chunk_gib))))
         return 0
 
+    def emit(record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if args.out is not None:
+            with args.out.open("a") as out:
+                out.write(line + "\n")
+
     available = _available_bytes()
+    plan = [(gib, scenario, chunk) for gib in sizes for scenario in scenarios
+            for chunk in ([chunks[0]] if scenario in WHOLE else chunks)]
     if args.dry_run:
-        for gib in sizes:
-            calls = len(_chunks(gib * GIB, args.row_mib << 20, args.chunk_gib * GIB))
-            fits = gib * GIB <= 0.8 * available
-            print(f"{gib} GiB: scenarios {scenarios}; chunked = {calls} calls of <= "
-                  f"{args.chunk_gib} GiB; {'fits' if fits else 'skipped'} here "
-                  f"({available / GIB:.0f} GiB available)")
+        for gib, scenario, chunk in plan:
+            calls = 1 if scenario in WHOLE else len(
+                chunk_plan(gib * GIB, args.row_mib << 20, int(chunk * GIB)))
+            emit({"dry_run": True, "scenario": scenario, "size_gib": gib,
+                  "chunk_gib": None if scenario in WHOLE else chunk, "calls": calls,
+                  "hugepages": args.hugepages, "zero_threads": args.zero_threads,
+                  "pace_share": args.pace_share or None,
+                  "fits": gib * GIB <= 0.8 * available})
         return 0
 
     import torch
 
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --dry-run)")
+        print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
-    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
-          f"host memory available: {available / GIB:.0f} GiB")
-    print("\n| size | scenario | calls | graphs ok | capture errors | pin codes | pin s "
-          "| longest call s | p50/p99 us idle | p50/p99 us during pin | max ms |")
-    print("|---:|---|---:|---:|---|---|---:|---:|---:|---:|---:|")
-    for gib in sizes:
+    context = _context()
+    passed = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
+              ("row_mib", "graphs", "hugepages", "zero_threads", "pace_share", "stall_k")]
+    for gib, scenario, chunk in plan:
+        base = context | {"scenario": scenario, "size_gib": gib}
         if gib * GIB > 0.8 * available:
-            print(f"| {gib} GiB | skipped: more than 80 % of available host memory |")
+            emit(base | {"skipped": "more than 80 % of available host memory"})
             continue
-        for scenario in scenarios:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--child", f"{scenario}:{gib}",
-                 "--chunk-gib", str(args.chunk_gib), "--graphs", str(args.graphs),
-                 "--row-mib", str(args.row_mib)],
-                capture_output=True, text=True, check=False)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
-                print(f"| {gib} GiB | {scenario} | child failed (rc {proc.returncode}): "
-                      f"{tail} |", flush=True)
-                continue
-            r = json.loads(lines[-1])
-            errors = "; ".join(r["capture_errors"]) or "none"
-            print(f"| {gib} GiB | {scenario} | {r['calls']} | {r['captured']}/{r['graphs']} "
-                  f"| {errors} | {r['pin_codes']} | {r['pin_s']:.2f} | "
-                  f"{r['longest_call_s']:.2f} | {r['base_p50_us']:.0f}/{r['base_p99_us']:.0f} "
-                  f"| {r['pin_p50_us']:.0f}/{r['pin_p99_us']:.0f} | {r['pin_max_ms']:.1f} |",
-                  flush=True)
-    print("\nmedian is not averaged across runs; rerun for spread. 900 = "
-          "cudaErrorStreamCaptureUnsupported, 2 = cudaErrorMemoryAllocation.")
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", f"{scenario}:{gib}:{chunk}", *passed],
+            capture_output=True, text=True, check=False)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+            emit(base | {"child_failed": proc.returncode, "tail": tail})
+            continue
+        emit(context | json.loads(lines[-1]))
     return 0
 
 

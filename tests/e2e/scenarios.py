@@ -46,6 +46,8 @@ def server_args(model: str, **overrides: Any) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             args.append(flag)
+        elif value is False:  # vLLM's boolean flags take --no-X (tools/gpu_kit.py)
+            args.append("--no-" + flag[2:])
         elif isinstance(value, dict):
             args += [flag, json.dumps(value)]
         else:

@@ -21,8 +21,10 @@ worker's capture are fakes; tiers above 512 GiB are meta tensors.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import itertools
+import queue
 import random
 import threading
 import time
@@ -36,6 +38,7 @@ import torch
 import vllm.v1.simple_kv_offload.manager as manager_module
 import vllm.v1.simple_kv_offload.worker as worker_module
 import vllm.v1.worker.gpu_worker as gpu_worker_module
+from tests.v1.kv_connector.unit.utils import create_scheduler
 from tests.v1.simple_kv_offload.test_scheduler import (
     _BYTES_PER_BLOCK,
     BLOCK_SIZE,
@@ -55,7 +58,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 )
 from vllm.platforms import current_platform
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.engine.core import EngineCoreProc
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.simple_kv_offload.metadata import (
     SimpleCPUOffloadMetadata,
@@ -911,3 +915,122 @@ def test_option_with_elastic_ep_rejected():
     config.parallel_config.enable_elastic_ep = True
     with pytest.raises(ValueError, match="elastic EP"):
         get_async_register_cache(config)
+
+
+# ---------------------------------------------------------------------------
+# Without traffic: reports and the release order need no request
+# ---------------------------------------------------------------------------
+
+
+def _idle_scheduler(monkeypatch, world_size: int, idle_step_s: float):
+    """A real Scheduler with the connector (the option on) and no requests."""
+    monkeypatch.setattr(
+        manager_module.SimpleCPUOffloadScheduler,
+        "IDLE_STEP_S",
+        idle_step_s,
+        raising=False,
+    )
+    return create_scheduler(
+        _vllm_config(ASYNC, world_size=world_size),
+        num_blocks=NUM_GPU_BLOCKS,
+        kv_cache_config=_make_kv_cache_config(NUM_GPU_BLOCKS),
+    )
+
+
+def _step_output(meta: SimpleCPUOffloadWorkerMetadata):
+    """What kv_connector_no_forward returns for a step without tokens."""
+    output = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+    output.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=meta)
+    return output
+
+
+def test_idle_engine_steps_until_the_release_order_is_sent(monkeypatch):
+    """A pin that fails while no request comes: the failure report and the
+    release order travel in empty steps, not with the first request, and the
+    steps stop once the order went out."""
+    scheduler = _idle_scheduler(monkeypatch, world_size=2, idle_step_s=0.0)
+    assert scheduler.has_requests()  # the idle step is due: the engine steps
+    first = scheduler.schedule()
+    assert first.total_num_scheduled_tokens == 0
+    assert isinstance(first.kv_connector_metadata, SimpleCPUOffloadMetadata)
+    assert not first.kv_connector_metadata.release_cpu_cache
+    failed = SimpleCPUOffloadWorkerMetadata(
+        completed_store_events={},
+        ready_ranks=frozenset({0}),
+        failed_ranks=frozenset({1}),
+    )
+    scheduler.update_from_output(first, _step_output(failed))
+    assert scheduler.has_requests()  # the order is outstanding
+    second = scheduler.schedule()
+    assert isinstance(second.kv_connector_metadata, SimpleCPUOffloadMetadata)
+    assert second.kv_connector_metadata.release_cpu_cache
+    scheduler.update_from_output(second, copy.copy(EMPTY_MODEL_RUNNER_OUTPUT))
+    assert not scheduler.has_requests()  # nothing outstanding: idle again
+
+
+def test_idle_engine_steps_until_every_rank_reported_ready(monkeypatch):
+    """The gate opens in an empty step; then the engine stops stepping."""
+    scheduler = _idle_scheduler(monkeypatch, world_size=2, idle_step_s=0.0)
+    connector = scheduler.get_kv_connector()
+    assert isinstance(connector, SimpleCPUOffloadConnector)
+    assert scheduler.has_requests()
+    output = scheduler.schedule()
+    ready = SimpleCPUOffloadWorkerMetadata(
+        completed_store_events={}, ready_ranks=frozenset({0, 1})
+    )
+    scheduler.update_from_output(output, _step_output(ready))
+    assert connector.scheduler_manager is not None
+    assert connector.scheduler_manager.is_ready()
+    assert not scheduler.has_requests()
+
+
+def test_no_idle_steps_without_the_option(monkeypatch):
+    """Default: an engine without requests never steps, as upstream."""
+    monkeypatch.setattr(
+        manager_module.SimpleCPUOffloadScheduler, "IDLE_STEP_S", 0.0, raising=False
+    )
+    scheduler = create_scheduler(
+        _vllm_config(),
+        num_blocks=NUM_GPU_BLOCKS,
+        kv_cache_config=_make_kv_cache_config(NUM_GPU_BLOCKS),
+    )
+    assert not scheduler.has_requests()
+
+
+class _InputQueue:
+    """EngineCoreProc's input queue, empty: a get that would block forever fails
+    the test instead; a bounded one times out at once."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def empty(self) -> bool:
+        return True
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        if block and timeout is None:
+            raise AssertionError("blocked on the input queue without a bound")
+        self.timeouts.append(timeout if timeout is not None else 0.0)
+        raise queue.Empty
+
+    def get_nowait(self):
+        raise AssertionError("the queue is empty")
+
+
+def test_idle_engine_core_wakes_for_the_idle_step(monkeypatch):
+    """EngineCoreProc waits for input without a bound when it has no requests;
+    while the connector's idle step is outstanding it waits at most until the
+    step is due, then leaves its input loop so that the busy loop steps."""
+    scheduler = _idle_scheduler(monkeypatch, world_size=1, idle_step_s=3600.0)
+    core = cast(Any, object.__new__(EngineCoreProc))
+    core.scheduler = scheduler
+    core.input_queue = _InputQueue()
+    core.aborts_queue = queue.Queue()
+    core.process_input_queue_block = True
+    core.engines_running = False
+    core.batch_queue = None
+    core._idle_state_callbacks = []
+    monkeypatch.setattr(EngineCoreProc, "is_running", lambda self: True)
+    core._process_input_queue()
+    (timeout,) = core.input_queue.timeouts
+    assert 0 < timeout <= 3600.0

@@ -15,6 +15,12 @@ from vllm_patches._overlay import amend, call_at_end_of
 
 @amend("F4", ">=0.19.0")
 class SimpleCPUOffloadScheduler:
+    # How often an engine without requests steps while a registration report or
+    # the release order is outstanding: the gate opens, or the order goes out, at
+    # most this long after the last worker reported, at one empty step (a collective
+    # RPC of no work) per interval while the tier pins.
+    IDLE_STEP_S = 1.0
+
     @call_at_end_of("__init__")
     def _init_register_gate(self) -> None:
         """Close the offload gate while the workers register their CPU KV cache.
@@ -34,10 +40,28 @@ class SimpleCPUOffloadScheduler:
         self._release_pending = False
         self._workers_ready = not get_async_register_cache(self.vllm_config)
         self._gate_created = time.monotonic()
+        self._last_step = self._gate_created
 
     def is_ready(self) -> bool:
         """Whether every worker can run CPU offload transfers."""
         return self._workers_ready
+
+    def idle_step_wait(self) -> float | None:
+        """Seconds until an engine without requests should step once more (0 or
+        less: now), so that the workers' reports and the release order travel
+        without traffic; None when nothing is outstanding: the option is off,
+        every worker reported ready, or a failure was reported and the release
+        order went out."""
+        if self._workers_ready or (
+            self._failed_worker_ranks and not self._release_pending
+        ):
+            return None
+        return self._last_step + self.IDLE_STEP_S - time.monotonic()
+
+    def note_step(self) -> None:
+        """A step built metadata (with requests or idle): the next idle step is
+        due IDLE_STEP_S later."""
+        self._last_step = time.monotonic()
 
     def take_release_request(self) -> bool:
         """True exactly once, after the first failed report: the metadata built now

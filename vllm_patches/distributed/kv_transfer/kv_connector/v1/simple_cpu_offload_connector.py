@@ -50,6 +50,15 @@ class SimpleCPUOffloadConnector:
         if self.worker_handler is not None:
             self.worker_handler.start_async_register_cache()
 
+    def idle_step_wait(self) -> float | None:
+        """Seconds until an engine without requests should step, so that the
+        workers' registration reports and the release order after a failed pin
+        (async_register_cache) do not wait for the first request; None when no
+        step is needed. EngineCoreProc and Scheduler read it."""
+        if self.scheduler_manager is None:
+            return None
+        return self.scheduler_manager.idle_step_wait()
+
     def get_num_new_matched_tokens(
         self,
         request: "Request",
@@ -83,11 +92,13 @@ class SimpleCPUOffloadConnector:
         # No load or store may reach a worker whose copy backend may not exist.
         # After a worker's pin failed, one step's metadata asks all to free theirs.
         manager = self.scheduler_manager
-        if manager is not None and manager.is_ready():
+        if manager is None:
+            return SimpleCPUOffloadMetadata()
+        manager.note_step()
+        if manager.is_ready():
             return manager.build_connector_meta(scheduler_output)
-        return SimpleCPUOffloadMetadata(
-            release_cpu_cache=manager is not None and manager.take_release_request()
-        )
+        release = manager.take_release_request()
+        return SimpleCPUOffloadMetadata(release_cpu_cache=release)
 
     def update_connector_output(
         self,
