@@ -89,12 +89,28 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _chosen(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The fix ids of every ``--fix`` (repeated, or comma lists), in series order; None
+    without one. An unknown id is bad input, refused before anything is read."""
+    if not args.fix:
+        return None
+    from vllm_patches import _series
+
+    series = _series.load()
+    given = {part.strip() for value in args.fix for part in value.split(",")}
+    unknown = sorted(given - set(series.ids))
+    if unknown:
+        raise UserError(f"unknown fix {', '.join(unknown)} (the series has "
+                        f"{', '.join(series.ids)})")
+    return tuple(fix_id for fix_id in series.ids if fix_id in given)
+
+
 def _plan(checkout, args: argparse.Namespace, verb: str, three_way: bool = False):
     from vllm_patches import _plan, _series
 
     series = _series.load()
     release = _plan.resolve_release(checkout, series, args.release, verb)
-    return _plan.make(checkout, series, release, three_way)
+    return _plan.make(checkout, series, release, three_way, _chosen(args))
 
 
 def _opened(args: argparse.Namespace, verb: str, writes: bool):
@@ -118,10 +134,12 @@ def _print_plan(plan) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from vllm_patches._plan import State
 
+    _chosen(args)
     with _opened(args, "status", writes=False) as checkout:
         plan = _plan(checkout, args, "status", args.three_way)
         _print_plan(plan)
-    return EXIT_REFUSED if any(s.state is State.CONFLICT for s in plan.statuses) else EXIT_OK
+    stopped = (State.CONFLICT, State.BLOCKED)
+    return EXIT_REFUSED if any(s.state in stopped for s in plan.statuses) else EXIT_OK
 
 
 def _default_checkout(release) -> Path:
@@ -141,21 +159,32 @@ def _default_checkout(release) -> Path:
 def cmd_apply(args: argparse.Namespace) -> int:
     from vllm_patches import _carry
 
+    _chosen(args)
     if args.checkout is None:
         args.checkout = str(_default_checkout(args.release))
     with _opened(args, "apply", writes=True) as checkout:
         plan = _plan(checkout, args, "apply", args.three_way)
-        done, after = _carry.apply(plan, commit=not args.no_commit, check=args.check)
+        done, after = _carry.apply(plan, commit=not args.no_commit, check=args.check,
+                                   again=_again(args, checkout.path))
         return _report(after, done, args.check, "applies", "apply")
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     from vllm_patches import _carry
 
+    _chosen(args)
     with _opened(args, "revert", writes=True) as checkout:
         plan = _plan(checkout, args, "revert")
         done, after = _carry.revert(plan, commit=not args.no_commit, check=args.check)
         return _report(after, done, args.check, "reverts", "revert")
+
+
+def _again(args: argparse.Namespace, path: Path) -> str:
+    """This apply command with ``{fixes}`` for other --fix ids (a conflict's refusal)."""
+    options = [*([f"--release v{args.release}"] if args.release else []),
+               *(["--3way"] if args.three_way else []),
+               *(["--no-commit"] if args.no_commit else []), *(["--check"] if args.check else [])]
+    return " ".join(["vllm-patches apply", *options, "--fix {fixes}", str(path)])
 
 
 def _report(plan, done, check: bool, verb: str, noun: str) -> int:
@@ -307,18 +336,24 @@ def build_parser() -> argparse.ArgumentParser:
     def release_option(sub: argparse.ArgumentParser, **kwargs) -> None:
         sub.add_argument("--release", type=_release_arg, metavar="vX.Y.Z", **kwargs)
 
+    def fix_option(sub: argparse.ArgumentParser, verb_text: str) -> None:
+        sub.add_argument("--fix", action="append", metavar="ID[,ID...]",
+                         help=f"{verb_text} only these fixes (repeatable; default: all)")
+
     sub = verb("list", cmd_list, "the series, in order, with its metadata")
     sub.add_argument("-v", "--verbose", action="store_true", help="also What/Why/How/Future")
 
     sub = verb("status", cmd_status, "per fix: applicable, applied, applied or reverted but "
-                                     "not committed, upstream, not applicable, or conflict")
+                                     "not committed, upstream, not applicable, conflict, or "
+                                     "blocked (requires a fix that conflicts or is not chosen)")
     sub.add_argument("checkout")
     release_option(sub, help="the checkout's release, if it cannot be detected")
     sub.add_argument("--3way", dest="three_way", action="store_true",
                      help="judge as `apply --3way` would (git may merge where context differs)")
+    fix_option(sub, "show")
 
-    sub = verb("apply", cmd_apply, "apply the series for the checkout's release, all or "
-                                   "nothing (finishes a half-applied series)")
+    sub = verb("apply", cmd_apply, "apply the series (or the --fix ones) for the checkout's "
+                                   "release, all or nothing (finishes a half-applied series)")
     sub.add_argument("checkout", nargs="?",
                      help="a vLLM git checkout (default: fetch the release into ./vllm-vX.Y.Z)")
     release_option(sub, help="the checkout's release (default: detected; without a checkout, "
@@ -328,13 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="let git fall back to a 3-way merge")
     sub.add_argument("--no-commit", action="store_true",
                      help="change the work tree only instead of one commit per fix (git am)")
+    fix_option(sub, "apply")
 
-    sub = verb("revert", cmd_revert, "undo the applied fixes, all or nothing")
+    sub = verb("revert", cmd_revert, "undo the applied fixes (or the --fix ones), all or "
+                                     "nothing")
     sub.add_argument("checkout")
     release_option(sub, help="the checkout's release, if it cannot be detected")
     sub.add_argument("--check", action="store_true", help="only say whether it would revert")
     sub.add_argument("--no-commit", action="store_true",
                      help="change the work tree only instead of adding revert commits")
+    fix_option(sub, "revert")
 
     sub = verb("export", cmd_export, "one fix as an upstream pull request: the fix and its "
                                      "tests, with the fixes it requires, signed off by you")
