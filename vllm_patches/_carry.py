@@ -101,15 +101,9 @@ def _require_requirements(plan: Plan, start: Numbers) -> None:
 
 def _require_no_dependents(plan: Plan, start: Numbers) -> None:
     """Reverting a fix that another applied fix requires, without that one, is refused."""
-    for number in sorted(start):
-        fix = plan.patches[number - 1].fix
-        if plan.chooses(fix):
-            continue
-        reverted = [f.id for f in plan.series.with_requirements(fix)
-                    if f is not fix and plan.chooses(f) and plan.number(f.id) in start]
-        if reverted:
-            raise Refused(f"{fix.id} requires {', '.join(reverted)} and stays applied: "
-                          f"revert it too (add --fix {fix.id})")
+    for fix, required in plan.stranded(start):
+        raise Refused(f"{fix.id} requires {', '.join(required)} and stays applied: "
+                      f"revert it too (add --fix {fix.id})")
 
 
 def _position(plan: Plan, commit: bool, verb: str) -> Numbers:

@@ -48,6 +48,8 @@ from vllm_patches._series import Fix, Need, Series
 
 # Patch numbers (1-based, series order) of the release's patches a tree holds.
 Numbers = frozenset[int]
+# Where a set was found: from HEAD's tree, or from the work tree's.
+HEAD, WORK = "HEAD", "work"
 
 
 class State(enum.Enum):
@@ -144,6 +146,19 @@ class Plan:
         return next((n for n, p in enumerate(self.patches, start=1) if p.fix.id == fix_id),
                     None)
 
+    def stranded(self, numbers: Numbers) -> list[tuple[Fix, list[str]]]:
+        """The fixes ``numbers`` holds that are not chosen but require chosen ones it
+        holds (reverting those would leave them without what they are built on), each
+        with the chosen fix ids it requires."""
+        result = []
+        for number in sorted(numbers):
+            fix = self.patches[number - 1].fix
+            required = [f.id for f in self.series.with_requirements(fix) if f is not fix
+                        and self.chooses(f) and self.number(f.id) in numbers]
+            if required and not self.chooses(fix):
+                result.append((fix, required))
+        return result
+
     def _patch_state(self, number: int, patch: Patch) -> tuple[State, str]:
         tree = self.head if self.tree is None else self.tree
         if number in self.head and number in tree:
@@ -196,7 +211,7 @@ def make(checkout: Checkout, series: Series, release: Version, three_way: bool,
 
     with tempfile.TemporaryDirectory(prefix="vllm-patches-") as scratch:
         trial = _Trial(checkout, patchset, Path(scratch))
-        head = trial.walk_back(trial.head_tree, trial.HEAD)
+        head = trial.walk_back(trial.head_tree, HEAD)
         tree = head if not changed else trial.work_tree_set(changed, tree_blobs)
         return _Walks(base, trial).plan(head, tree)
 
@@ -220,10 +235,10 @@ class _Walks:
     def plan(self, head: Numbers, tree: Numbers | None) -> Plan:
         ahead = self._ahead(head)
         finish = None
-        undo = {head: self._undo(head, _Trial.HEAD)}
+        undo = {head: self._undo(head, HEAD)}
         if tree is not None:
             finish = self._finish(tree, head, ahead)
-            undo[tree] = self._undo(tree, _Trial.WORK)
+            undo[tree] = self._undo(tree, WORK)
         return replace(self.base, head=head, tree=tree, ahead=ahead, finish=finish, undo=undo)
 
     def _requirements(self, number: int) -> list[int]:
@@ -236,7 +251,7 @@ class _Walks:
         """From HEAD's set, each chosen patch it lacks, in series order: applicable
         (plainly or by a 3-way merge), a conflict, or blocked by a requirement that is
         neither held, nor chosen, nor applicable; the next one is tried without it."""
-        self.walker.begin(head, forward=True, start=_Trial.HEAD)
+        self.walker.begin(head, forward=True, start=HEAD)
         ahead: dict[int, tuple[State, str]] = {}
         for number in sorted(self.selected - head):
             patch = self.patches[number - 1]
@@ -269,7 +284,7 @@ class _Walks:
         patch HEAD holds or that is applicable; None where git cannot make a step there."""
         todo = [n for n in sorted(self.selected - tree)
                 if n in head or ahead[n][0] is State.APPLICABLE]
-        self.walker.begin(tree, forward=True, start=_Trial.WORK)
+        self.walker.begin(tree, forward=True, start=WORK)
         changes = []
         for number in todo:
             done, _merged, _reason, change = self.walker.step(number, reverse=False,
@@ -281,7 +296,10 @@ class _Walks:
 
     def _undo(self, numbers: Numbers, start: str) -> tuple[tuple[int, Change], ...]:
         """Each chosen patch ``numbers`` holds, newest first, with the change that undoes
-        it (a merge allowed: the series may have been applied with --3way)."""
+        it (a merge allowed: the series may have been applied with --3way); none where
+        a fix that stays requires one of them (`revert` refuses that)."""
+        if self.base.stranded(numbers):
+            return ()
         self.walker.begin(numbers, forward=False, start=start)
         steps = []
         for number in sorted(numbers & self.selected, reverse=True):
@@ -324,8 +342,6 @@ class _Trial:
     ``replay`` and ``work``); ``forth`` the forward steps (reads the checkout and ``work``
     only, as ``git am`` would).
     """
-
-    HEAD, WORK = "HEAD", "work"  # where a walk back started: HEAD's tree, the work tree's
 
     def __init__(self, checkout: Checkout, patchset: PatchSet, scratch: Path):
         self.repo = checkout.path
@@ -372,8 +388,8 @@ class _Trial:
                            if not tree_blobs[path])
         _git.run(self.repo, "update-index", "--add", "--index-info", env=env, input=entries)
         work_tree = _git.run(self.repo, "write-tree", env=env).stdout.strip()
-        found = self.walk_back(work_tree, self.WORK)
-        if self.trees[(self.WORK, frozenset())] != self.trees[(self.HEAD, frozenset())]:
+        found = self.walk_back(work_tree, WORK)
+        if self.trees[(WORK, frozenset())] != self.trees[(HEAD, frozenset())]:
             return None
         return found
 
@@ -399,7 +415,7 @@ class _Trial:
     def begin(self, numbers: Numbers, forward: bool, start: str) -> None:
         self.env = (self._env("forth", ("work",)) if forward
                     else self._env("back", ("replay", "work")))
-        tree = self.trees.get((start, numbers)) or self.trees[(self.HEAD, numbers)]
+        tree = self.trees.get((start, numbers)) or self.trees[(HEAD, numbers)]
         _git.run(self.repo, "read-tree", tree, env=self.env)
 
     def step(self, number: int, reverse: bool, merge: bool) -> tuple[bool, bool, str, Change]:
