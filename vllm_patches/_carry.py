@@ -71,7 +71,7 @@ def _require_known_tree(plan: Plan) -> Numbers:
     return plan.tree
 
 
-def _require_no_conflict(plan: Plan, todo: list[FixStatus], again: str) -> None:
+def _require_no_conflict(todo: list[FixStatus], again: str) -> None:
     """All or nothing: a chosen fix that conflicts, or is blocked by one, stops the whole
     apply. The line names each and the command that applies the others."""
     stopped = [s for s in todo if s.state in (State.CONFLICT, State.BLOCKED)]
@@ -89,11 +89,10 @@ def _require_requirements(plan: Plan, start: Numbers) -> None:
     """A chosen fix whose requirement is neither chosen nor held is refused, naming it:
     the tool applies what it is told, never more."""
     for status in plan.statuses:
-        if status.state is not State.BLOCKED or status.patch is None:
+        if status.state is not State.BLOCKED:
             continue
-        missing = [f.id for f in plan.series.with_requirements(status.fix)
-                   if f is not status.fix and (n := plan.number(f.id)) is not None
-                   and n not in start and not plan.chooses(f)]
+        missing = [plan.patches[n - 1].fix.id for n in plan.required(status.fix)
+                   if n not in start and not plan.chooses(plan.patches[n - 1].fix)]
         if missing:
             raise Refused(f"{status.fix.id} requires {', '.join(missing)}, which is neither "
                           f"applied nor chosen: add --fix {','.join(missing)}")
@@ -127,7 +126,7 @@ def apply(plan: Plan, commit: bool, check: bool,
     todo = [s for s in plan.statuses if s.patch is not None
             and plan.patches.index(s.patch) + 1 not in start]
     _require_requirements(plan, start)
-    _require_no_conflict(plan, todo, again)
+    _require_no_conflict(todo, again)
     if check or not todo:
         return todo, plan
     numbers = frozenset(plan.patches.index(s.patch) + 1 for s in todo if s.patch)

@@ -1,15 +1,18 @@
 """The ``vllm-patches`` command: verbs that each do one thing.
 
-Exit codes: 0 done (or nothing to do, or a --check that passed); 1 refused (a patch
-conflicts, files the series touches have local changes, a git operation of the user's
-is in progress, another vllm-patches run still holds the repository after the wait
-(``_lock``), the checkout is the tool's cache, patches/ is stale; `matrix`: a release
-needs a fix that does not splice there, or the index has a release the series does not
-cover; `doctor`: a known-bad combination, or the plugin would stop vLLM from starting;
-without vLLM in its Python doctor warns that no fix is or would be active, and exits 0);
-2 bad input (bad arguments, a file or missing path, not a git repository, not a vLLM
-tree, a release that is not vX.Y.Z, that the series does not cover, that cannot be
-told, or that the checkout's own release contradicts). A reader that leaves early
+Exit codes: 0 done (or nothing to do, or a --check that passed); 1 refused (a chosen
+patch conflicts or is blocked by one it requires, a chosen fix requires one neither
+chosen nor applied, `revert` would leave an applied fix without one it requires, files
+the series touches have local changes, a git operation of the user's is in progress,
+another vllm-patches run still holds the repository after the wait (``_lock``), the
+checkout is the tool's cache, patches/ is stale; `status`: a chosen fix conflicts or is
+blocked; `matrix`: a release needs a fix that does not splice there, or the index has a
+release the series does not cover; `doctor`: a known-bad combination, or the plugin
+would stop vLLM from starting; without vLLM in its Python doctor warns that no fix is or
+would be active, and exits 0); 2 bad input (bad arguments, an unknown fix id in --fix, a
+file or missing path, not a git repository, not a vLLM tree, a release that is not
+vX.Y.Z, that the series does not cover, that cannot be told, or that the checkout's own
+release contradicts). A reader that leaves early
 (``vllm-patches list -v | head``) changes no exit code: the rest of the output is
 dropped and the verb ends with its own code. Whether a write fails depends on timing
 (output that fits the pipe's buffer is written before ``head`` leaves), so 141, as a

@@ -141,10 +141,11 @@ class Plan:
                 result.append(FixStatus(fix, verdict.need, verdict.detail))
         return result
 
-    def number(self, fix_id: str) -> int | None:
-        """The patch number of ``fix_id`` on this release; None where it has no patch."""
-        return next((n for n, p in enumerate(self.patches, start=1) if p.fix.id == fix_id),
-                    None)
+    def required(self, fix: Fix) -> list[int]:
+        """The patches of this release whose fixes ``fix`` requires, directly or not (a
+        requirement upstream or not needed here has none)."""
+        ids = {f.id for f in self.series.with_requirements(fix) if f is not fix}
+        return [n for n, patch in enumerate(self.patches, start=1) if patch.fix.id in ids]
 
     def stranded(self, numbers: Numbers) -> list[tuple[Fix, list[str]]]:
         """The fixes ``numbers`` holds that are not chosen but require chosen ones it
@@ -153,8 +154,8 @@ class Plan:
         result = []
         for number in sorted(numbers):
             fix = self.patches[number - 1].fix
-            required = [f.id for f in self.series.with_requirements(fix) if f is not fix
-                        and self.chooses(f) and self.number(f.id) in numbers]
+            required = [self.patches[n - 1].fix.id for n in self.required(fix)
+                        if n in numbers and self.chooses(self.patches[n - 1].fix)]
             if required and not self.chooses(fix):
                 result.append((fix, required))
         return result
@@ -241,12 +242,6 @@ class _Walks:
             undo[tree] = self._undo(tree, WORK)
         return replace(self.base, head=head, tree=tree, ahead=ahead, finish=finish, undo=undo)
 
-    def _requirements(self, number: int) -> list[int]:
-        """The patches of this release that patch ``number``'s fix requires, directly or not."""
-        fix = self.patches[number - 1].fix
-        ids = [f.id for f in self.base.series.with_requirements(fix) if f is not fix]
-        return [n for n, p in enumerate(self.patches, start=1) if p.fix.id in ids]
-
     def _ahead(self, head: Numbers) -> dict[int, tuple[State, str]]:
         """From HEAD's set, each chosen patch it lacks, in series order: applicable
         (plainly or by a 3-way merge), a conflict, or blocked by a requirement that is
@@ -255,12 +250,12 @@ class _Walks:
         ahead: dict[int, tuple[State, str]] = {}
         for number in sorted(self.selected - head):
             patch = self.patches[number - 1]
-            stuck = [n for n in self._requirements(number) if n not in head and (
+            stuck = [n for n in self.base.required(patch.fix) if n not in head and (
                 n not in self.selected or ahead.get(n, (State.APPLICABLE,))[0]
                 is not State.APPLICABLE)]
             if stuck:
                 ahead[number] = (State.BLOCKED, "; ".join(
-                    self._why_blocked(patch.fix, n, ahead) for n in stuck))
+                    self._why_blocked(n, ahead) for n in stuck))
                 continue
             done, merged, reason, _change = self.walker.step(number, reverse=False,
                                                               merge=self.base.three_way)
@@ -271,7 +266,8 @@ class _Walks:
                 ahead[number] = (State.CONFLICT, reason)
         return ahead
 
-    def _why_blocked(self, fix: Fix, number: int, ahead: dict[int, tuple[State, str]]) -> str:
+    def _why_blocked(self, number: int, ahead: dict[int, tuple[State, str]]) -> str:
+        """Why a fix that requires patch ``number`` cannot go on."""
         required = self.patches[number - 1].fix.id
         if number not in self.selected:
             return f"requires {required}, which is neither applied nor chosen"
