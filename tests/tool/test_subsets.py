@@ -6,22 +6,13 @@ v0.18.1: F2, F3 and F5 change one file)."""
 from pathlib import Path
 
 import pytest
-from conftest import clone, git, snapshot
+from conftest import clone, git, run, snapshot
 
 from vllm_patches import _plan, _releases, _series
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED, main
+from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 SERIES = _series.load()
 COORDINATOR = "vllm/v1/core/kv_cache_coordinator.py"
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse rejects bad arguments with exit 2
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def states(out: str) -> dict[str, str]:
