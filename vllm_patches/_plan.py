@@ -257,8 +257,8 @@ class _Walks:
                 ahead[number] = (State.BLOCKED, "; ".join(
                     self._why_blocked(n, ahead) for n in stuck))
                 continue
-            done, merged, reason, _change = self.walker.step(number, reverse=False,
-                                                              merge=self.base.three_way)
+            done, merged, reason, _change = self.walker.step(
+                number, reverse=False, merge=self.base.three_way, keep=False)
             if done:
                 detail = f"{patch.path.name}, by a 3-way merge" if merged else patch.path.name
                 ahead[number] = (State.APPLICABLE, detail)
@@ -283,8 +283,8 @@ class _Walks:
         self.walker.begin(tree, forward=True, start=WORK)
         changes = []
         for number in todo:
-            done, _merged, _reason, change = self.walker.step(number, reverse=False,
-                                                               merge=self.base.three_way)
+            done, _merged, _reason, change = self.walker.step(
+                number, reverse=False, merge=self.base.three_way, keep=True)
             if not done:
                 return None
             changes.append(change)
@@ -299,7 +299,8 @@ class _Walks:
         self.walker.begin(numbers, forward=False, start=start)
         steps = []
         for number in sorted(numbers & self.selected, reverse=True):
-            done, _merged, _reason, change = self.walker.step(number, reverse=True, merge=True)
+            done, _merged, _reason, change = self.walker.step(number, reverse=True, merge=True,
+                                                               keep=True)
             if not done:
                 return ()
             steps.append((number, change))
@@ -320,7 +321,8 @@ class _Exact:
             raise _NotExact
         self.blobs = blobs
 
-    def step(self, number: int, reverse: bool, merge: bool) -> tuple[bool, bool, str, Change]:
+    def step(self, number: int, reverse: bool, merge: bool,
+             keep: bool) -> tuple[bool, bool, str, Change | None]:
         patch = self.patchset.patches[number - 1]
         for path, change in patch.changes.items():
             if self.blobs[path] != (change.after if reverse else change.before):
@@ -335,8 +337,8 @@ class _Trial:
 
     Stores under ``scratch``: ``replay`` holds the release's post-images replayed onto its
     own blobs; ``work`` the work tree's touched files; ``back`` the reverse steps (reads
-    ``replay`` and ``work``); ``forth`` the forward steps (reads the checkout and ``work``
-    only, as ``git am`` would).
+    ``replay`` and ``work``); ``forth`` the forward steps from HEAD (reads the checkout
+    only, as ``git am`` would); ``finish`` those from the work tree (reads ``work`` too).
     """
 
     def __init__(self, checkout: Checkout, patchset: PatchSet, scratch: Path):
@@ -398,10 +400,10 @@ class _Trial:
         undone: list[int] = []
         walked: list[tuple[Numbers, str]] = []
         for number in range(len(self.patchset.patches), 0, -1):
-            if self._try(number, reverse=True, merge=True)[0]:
+            before = self._tree()
+            if self._try(number, reverse=True, merge=True, before=before)[0]:
                 undone.append(number)
-                walked.append((frozenset(undone), _git.run(
-                    self.repo, "write-tree", env=self.env).stdout.strip()))
+                walked.append((frozenset(undone), self._tree()))
         held = frozenset(undone)
         self.trees[(start, held)] = start_tree
         for gone, tree in walked:
@@ -409,24 +411,34 @@ class _Trial:
         return held
 
     def begin(self, numbers: Numbers, forward: bool, start: str) -> None:
-        self.env = (self._env("forth", ("work",)) if forward
-                    else self._env("back", ("replay", "work")))
-        tree = self.trees.get((start, numbers)) or self.trees[(HEAD, numbers)]
-        _git.run(self.repo, "read-tree", tree, env=self.env)
+        """Put the scratch index at the tree of ``numbers`` found from ``start`` (else
+        from HEAD), for forward or reverse steps."""
+        if (start, numbers) not in self.trees:
+            start = HEAD
+        if not forward:
+            self.env = self._env("back", ("replay", "work"))
+        else:  # the work tree's own files are read only when it is the start
+            self.env = self._env("finish", ("work",)) if start == WORK else self._env("forth")
+        _git.run(self.repo, "read-tree", self.trees[(start, numbers)], env=self.env)
 
-    def step(self, number: int, reverse: bool, merge: bool) -> tuple[bool, bool, str, Change]:
-        before = _git.run(self.repo, "write-tree", env=self.env).stdout.strip()
-        done, merged, reason = self._try(number, reverse, merge)
-        after = _git.run(self.repo, "write-tree", env=self.env).stdout.strip() if done else before
-        return done, merged, reason, self._diff(before, after)
+    def step(self, number: int, reverse: bool, merge: bool,
+             keep: bool) -> tuple[bool, bool, str, Change | None]:
+        """``_try``, and with ``keep`` the change the step made, as a diff."""
+        before = self._tree()
+        done, merged, reason = self._try(number, reverse, merge, before)
+        return done, merged, reason, self._diff(before, self._tree()) if keep and done else None
 
-    def _try(self, number: int, reverse: bool, merge: bool) -> tuple[bool, bool, str]:
-        """Apply patch ``number`` to the scratch index, plainly or else by a 3-way merge
-        that changes something (kept only with ``merge``): (done, merged, git's reason
-        the plain apply failed). A failed step leaves the index as it was."""
+    def _tree(self) -> str:
+        return _git.run(self.repo, "write-tree", env=self.env).stdout.strip()
+
+    def _try(self, number: int, reverse: bool, merge: bool,
+             before: str) -> tuple[bool, bool, str]:
+        """Apply patch ``number`` to the scratch index (whose tree is ``before``),
+        plainly or else by a 3-way merge that changes something (kept only with
+        ``merge``): (done, merged, git's reason the plain apply failed). A failed step
+        leaves the index as it was."""
         patch = self.patchset.patches[number - 1]
         direction = ("-R",) if reverse else ()
-        before = _git.run(self.repo, "write-tree", env=self.env).stdout.strip()
         plain = _git.run(self.repo, "apply", "--cached", *direction, str(patch.path),
                          env=self.env, check=False)
         if plain.returncode == 0:
@@ -434,14 +446,13 @@ class _Trial:
         reason = _git.reason(plain.stderr)
         merged = _git.run(self.repo, "apply", "--cached", "--3way", *direction,
                           str(patch.path), env=self.env, check=False)
-        state = self._state()
-        changed = state is not None and _git.run(
-            self.repo, "write-tree", env=self.env).stdout.strip() != before
+        conflicted = self._conflicted()
+        changed = not conflicted and self._tree() != before
         if merged.returncode == 0 and changed and merge:
             return True, True, reason
         if merged.returncode == 0 and changed:
             reason += "; it merges with --3way"
-        elif state is None:  # conflicts left in the scratch index
+        elif conflicted:  # conflicts left in the scratch index
             files = [line.split("'")[1] for line in merged.stderr.splitlines()
                      if "with conflicts" in line and "'" in line]
             reason += f"; a 3-way merge conflicts in {', '.join(files) or 'the files'}"
@@ -450,14 +461,12 @@ class _Trial:
         _git.run(self.repo, "read-tree", before, env=self.env)
         return False, False, reason
 
-    def _state(self) -> bool | None:
-        """True, or None while a merge conflicts in the scratch index."""
+    def _conflicted(self) -> bool:
+        """Whether a merge left conflicts (entries of stage 1 to 3) in the scratch index."""
         listed = _git.run(self.repo, "ls-files", "-s", "-z", "--", *self.paths,
                           env=self.env).stdout
-        for entry in filter(None, listed.split("\0")):
-            if entry.split("\t", 1)[0].split()[2] != "0":
-                return None
-        return True
+        return any(entry.split("\t", 1)[0].split()[2] != "0"
+                   for entry in filter(None, listed.split("\0")))
 
     def _diff(self, start: str, end: str) -> Change:
         text = _git.run(self.repo, "diff", "--full-index", "--binary", "--no-renames",
