@@ -234,20 +234,25 @@ class _Walks:
         self.selected = base.selected
 
     def plan(self, head: Numbers, tree: Numbers | None) -> Plan:
-        ahead = self._ahead(head)
+        ahead, changes = self._ahead(head, keep=tree == head)
         finish = None
         undo = {head: self._undo(head, HEAD)}
-        if tree is not None:
+        if tree == head:  # the walk from HEAD was the work tree's too
+            finish = combined([changes[n] for n in sorted(changes)])
+        elif tree is not None:
             finish = self._finish(tree, head, ahead)
             undo[tree] = self._undo(tree, WORK)
         return replace(self.base, head=head, tree=tree, ahead=ahead, finish=finish, undo=undo)
 
-    def _ahead(self, head: Numbers) -> dict[int, tuple[State, str]]:
+    def _ahead(self, head: Numbers,
+               keep: bool) -> tuple[dict[int, tuple[State, str]], dict[int, Change]]:
         """From HEAD's set, each chosen patch it lacks, in series order: applicable
         (plainly or by a 3-way merge), a conflict, or blocked by a requirement that is
-        neither held, nor chosen, nor applicable; the next one is tried without it."""
+        neither held, nor chosen, nor applicable; the next one is tried without it. With
+        ``keep``, also the change each applicable one makes."""
         self.walker.begin(head, forward=True, start=HEAD)
         ahead: dict[int, tuple[State, str]] = {}
+        changes: dict[int, Change] = {}
         for number in sorted(self.selected - head):
             patch = self.patches[number - 1]
             stuck = [n for n in self.base.required(patch.fix) if n not in head and (
@@ -257,14 +262,16 @@ class _Walks:
                 ahead[number] = (State.BLOCKED, "; ".join(
                     self._why_blocked(n, ahead) for n in stuck))
                 continue
-            done, merged, reason, _change = self.walker.step(
-                number, reverse=False, merge=self.base.three_way, keep=False)
+            done, merged, reason, change = self.walker.step(
+                number, reverse=False, merge=self.base.three_way, keep=keep)
             if done:
                 detail = f"{patch.path.name}, by a 3-way merge" if merged else patch.path.name
                 ahead[number] = (State.APPLICABLE, detail)
+                if change is not None:
+                    changes[number] = change
             else:
                 ahead[number] = (State.CONFLICT, reason)
-        return ahead
+        return ahead, changes
 
     def _why_blocked(self, number: int, ahead: dict[int, tuple[State, str]]) -> str:
         """Why a fix that requires patch ``number`` cannot go on."""
@@ -276,8 +283,9 @@ class _Walks:
 
     def _finish(self, tree: Numbers, head: Numbers,
                 ahead: dict[int, tuple[State, str]]) -> Change | None:
-        """The change that takes the work tree from its set to it plus every chosen
-        patch HEAD holds or that is applicable; None where git cannot make a step there."""
+        """The change that takes the work tree (at another set than HEAD) to it plus
+        every chosen patch HEAD holds or that is applicable; None where git cannot make
+        a step there."""
         todo = [n for n in sorted(self.selected - tree)
                 if n in head or ahead[n][0] is State.APPLICABLE]
         self.walker.begin(tree, forward=True, start=WORK)
