@@ -1,5 +1,5 @@
-"""Carrying out a plan (``_plan``) on a user's checkout (``_checkout``): apply or revert,
-all or nothing.
+"""Carrying out a plan (``_plan``) on a user's checkout (``_checkout``): apply or revert
+the chosen fixes, all or nothing.
 
 The rule: the tool changes nothing it did not create. Before changing anything it
 refuses, with one line and the checkout untouched, when a git operation of the user's
@@ -19,7 +19,7 @@ from vllm_patches import _git, _interrupt
 from vllm_patches._errors import Refused
 from vllm_patches._git import GitError
 from vllm_patches._patchset import PATCH_AUTHOR
-from vllm_patches._plan import FixStatus, Plan, State
+from vllm_patches._plan import FixStatus, Numbers, Plan, State, combined
 
 
 def _require_changeable(plan: Plan) -> None:
@@ -64,7 +64,7 @@ def _require_clean_for_commits(plan: Plan, verb: str) -> None:
                       "first")
 
 
-def _require_known_tree(plan: Plan) -> int:
+def _require_known_tree(plan: Plan) -> Numbers:
     """The work tree's position, for --no-commit; refuses foreign local changes."""
     if plan.tree is None:
         raise Refused(f"{plan.checkout.path}: uncommitted changes in files the series touches: "
@@ -73,14 +73,42 @@ def _require_known_tree(plan: Plan) -> int:
     return plan.tree
 
 
-def _require_no_conflict(todo: list[FixStatus]) -> None:
-    conflicts = [s for s in todo if s.state is State.CONFLICT]
-    if conflicts:
-        raise Refused("; ".join(f"{s.fix.id} conflicts: {s.detail}" for s in conflicts))
+def _require_no_conflict(todo: list[FixStatus], again: str) -> None:
+    """All or nothing: a chosen fix that conflicts, or is blocked by one, stops the whole
+    apply. The line names each and the command that applies the others."""
+    stopped = [s for s in todo if s.state in (State.CONFLICT, State.BLOCKED)]
+    if not stopped:
+        return
+    why = "; ".join(f"{s.fix.id} {'conflicts' if s.state is State.CONFLICT else 'is blocked'}: "
+                    f"{s.detail}" for s in stopped)
+    others = [s.fix.id for s in todo if s not in stopped]
+    rest = (f"; nothing was applied: `{again.format(fixes=','.join(others))}` applies "
+            f"{', '.join(others)}" if others else "")
+    raise Refused(why + rest)
 
 
-def _position(plan: Plan, commit: bool, verb: str) -> int:
-    """Where ``verb`` starts from: HEAD's position when it commits, the work tree's with
+def _require_requirements(plan: Plan, start: Numbers) -> None:
+    """A chosen fix whose requirement is neither chosen nor held is refused, naming it:
+    the tool applies what it is told, never more."""
+    for status in plan.statuses:
+        if status.state is not State.BLOCKED:
+            continue
+        missing = [plan.patches[n - 1].fix.id for n in plan.required(status.fix)
+                   if n not in start and not plan.chooses(plan.patches[n - 1].fix)]
+        if missing:
+            raise Refused(f"{status.fix.id} requires {', '.join(missing)}, which is neither "
+                          f"applied nor chosen: add --fix {','.join(missing)}")
+
+
+def _require_no_dependents(plan: Plan, start: Numbers) -> None:
+    """Reverting a fix that another applied fix requires, without that one, is refused."""
+    for fix, required in plan.stranded(start):
+        raise Refused(f"{fix.id} requires {', '.join(required)} and stays applied: "
+                      f"revert it too (add --fix {fix.id})")
+
+
+def _position(plan: Plan, commit: bool, verb: str) -> Numbers:
+    """Where ``verb`` starts from: HEAD's set when it commits, the work tree's with
     --no-commit; refuses what either would trip over, before anything changes."""
     _require_changeable(plan)
     if commit:
@@ -89,62 +117,68 @@ def _position(plan: Plan, commit: bool, verb: str) -> int:
     return _require_known_tree(plan)
 
 
-def apply(plan: Plan, commit: bool, check: bool) -> tuple[list[FixStatus], Plan]:
-    """Apply the patches the checkout does not hold yet, all or nothing: with ``commit``
-    one commit per fix (``git am``), else in the work tree (``git apply``). Finishes a
-    half-applied series. Returns what was (or, with ``check``, would be) applied and the
-    plan after it."""
+def apply(plan: Plan, commit: bool, check: bool,
+          again: str = "vllm-patches apply --fix {fixes}") -> tuple[list[FixStatus], Plan]:
+    """Apply the chosen patches the checkout does not hold yet, all or nothing: with
+    ``commit`` one commit per fix (``git am``), else in the work tree (``git apply``).
+    Finishes a half-applied series. Returns what was (or, with ``check``, would be)
+    applied and the plan after it. ``again`` is the command that applies other fixes,
+    with ``{fixes}`` for their ids, for the refusal of a conflict."""
     start = _position(plan, commit, "apply")
-    last = len(plan.patches)
     todo = [s for s in plan.statuses if s.patch is not None
-            and plan.patches.index(s.patch) >= start]
-    _require_no_conflict(todo)
+            and plan.patches.index(s.patch) + 1 not in start]
+    _require_requirements(plan, start)
+    _require_no_conflict(todo, again)
     if check or not todo:
         return todo, plan
+    numbers = frozenset(plan.patches.index(s.patch) + 1 for s in todo if s.patch)
     if commit:
-        plan.checkout.am([patch.path for patch in plan.patches[start:]],
+        plan.checkout.am([s.patch.path for s in todo if s.patch],
                          _fallback_identity(plan.checkout.path), three_way=plan.three_way)
-        return todo, plan.after(last, last)
+        return todo, plan.after(start | numbers, start | numbers)
     finish = plan.finish
-    if finish is None:  # no position of the series is known beyond a merge git cannot make
+    if finish is None:  # no set of the patches is known beyond a merge git cannot make
         raise Refused(f"{plan.checkout.path}: the series cannot be finished in the work tree")
     with _interrupt.change():
         _git.run(plan.checkout.path, "apply", *finish.args, input=finish.text)  # atomic
-    return todo, plan.after(plan.head, last)
+    return todo, plan.after(plan.head, start | numbers)
 
 
 def revert(plan: Plan, commit: bool, check: bool) -> tuple[list[FixStatus], Plan]:
-    """Undo the applied patches, newest first, all or nothing: with ``commit`` one revert
-    commit per fix, else in the work tree. Undoes the applied part of a half-applied
-    series. Returns what was (or would be) reverted and the plan after it."""
-    end = _position(plan, commit, "revert")
+    """Undo the chosen patches the checkout holds, newest first, all or nothing: with
+    ``commit`` one revert commit per fix, else in the work tree. Undoes the applied
+    part of a half-applied series. Returns what was (or would be) reverted and the
+    plan after it."""
+    start = _position(plan, commit, "revert")
+    _require_no_dependents(plan, start)
     todo = [s for s in plan.statuses if s.patch is not None
-            and plan.patches.index(s.patch) < end]
+            and plan.patches.index(s.patch) + 1 in start]
     if check or not todo:
         return todo, plan
+    steps = plan.undo[start]
+    if len(steps) != len(todo):
+        raise Refused(f"{plan.checkout.path}: git cannot undo "
+                      f"{', '.join(s.fix.id for s in todo)} here")
+    rest = start - {number for number, _change in steps}
     repo = plan.checkout.path
     if not commit:
-        changes = [plan.undo[number] for number in range(end, 0, -1)]
+        change = combined([change for _number, change in steps])
         with _interrupt.change():  # one git apply: atomic
-            if all(change.text is None for change in changes):
-                _git.run(repo, "apply", *(arg for change in changes for arg in change.args))
-            else:
-                _git.run(repo, "apply", "-",
-                         input="".join(change.text or "" for change in changes))
-        return todo, plan.after(plan.head, 0)
+            _git.run(repo, "apply", *change.args, input=change.text)
+        return todo, plan.after(plan.head, rest)
     orig_head = plan.checkout.orig_head()
     identity = _fallback_identity(repo)
     with _interrupt.change():  # every revert commit, or (rolled back) none
         try:
-            for number in range(end, 0, -1):
-                change, fix = plan.undo[number], plan.patches[number - 1].fix
+            for number, change in steps:
+                fix = plan.patches[number - 1].fix
                 _git.run(repo, "apply", "--index", *change.args, input=change.text)
                 _git.run(repo, "commit", "--quiet", "--no-verify", "-m",
                          f'Revert "{fix.title}"\n\nVllm-Patches-Fix: {fix.id}', env=identity)
         except GitError:
             plan.checkout.roll_back(orig_head)
             raise
-    return todo, plan.after(0, 0)
+    return todo, plan.after(rest, rest)
 
 
 def _fallback_identity(repo: Path) -> dict[str, str]:

@@ -1,21 +1,24 @@
 """The ``vllm-patches`` command: verbs that each do one thing.
 
-Exit codes: 0 done (or nothing to do, or a --check that passed); 1 refused (a patch
-conflicts, files the series touches have local changes, a git operation of the user's
-is in progress, another vllm-patches run still holds the repository after the wait
-(``_lock``), the checkout is the tool's cache, patches/ is stale; `matrix`: a release
-needs a fix that does not splice there, or the index has a release the series does not
-cover; `doctor`: a known-bad combination, the plugin would stop vLLM from starting, or
-the environment leaves the fixes out (VLLM_PLUGINS without vllm_patches, or
-VLLM_PATCHES_FIXES naming a fix the series lacks); without vLLM in its Python doctor
-warns that no fix is or would be active, and exits 0 unless the environment is such);
-2 bad input (bad arguments, a file or missing path, not a git repository, not a vLLM
-tree, a release that is not vX.Y.Z, that the series does not cover, that cannot be
-told, or that the checkout's own release contradicts; `regen` and `matrix` without ruff,
-from the dev extras, said before anything is fetched); 130 interrupted by SIGINT (Ctrl-C),
-143 by SIGTERM, with one line that says whether the checkout was changed: `apply`,
-`revert` and `export --onto` leave it exactly as before or exactly as after, never half
-done (``_interrupt``). A reader that leaves early
+Exit codes: 0 done (or nothing to do, or a --check that passed); 1 refused (a chosen
+patch conflicts or is blocked by one it requires, a chosen fix requires one neither
+chosen nor applied, `revert` would leave an applied fix without one it requires, files
+the series touches have local changes, a git operation of the user's is in progress,
+another vllm-patches run still holds the repository after the wait (``_lock``), the
+checkout is the tool's cache, patches/ is stale; `status`: a chosen fix conflicts or is
+blocked; `matrix`: a release needs a fix that does not splice there, or the index has a
+release the series does not cover; `doctor`: a known-bad combination, the plugin would
+stop vLLM from starting, or the environment leaves the fixes out (VLLM_PLUGINS without
+vllm_patches, or VLLM_PATCHES_FIXES naming a fix the series lacks); without vLLM in its
+Python doctor warns that no fix is or would be active, and exits 0 unless the
+environment is such); 2 bad input (bad arguments, an unknown fix id in --fix, a file or
+missing path, not a git repository, not a vLLM tree, a release that is not vX.Y.Z, that
+the series does not cover, that cannot be told, or that the checkout's own release
+contradicts; `regen` and `matrix` without ruff, from the dev extras, said before
+anything is fetched); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM, with one line
+that says whether the checkout was changed: `apply`, `revert` and `export --onto` leave
+it exactly as before or exactly as after, never half done (``_interrupt``). A reader
+that leaves early
 (``vllm-patches list -v | head``) changes no exit code: the rest of the output is
 dropped and the verb ends with its own code. Whether a write fails depends on timing
 (output that fits the pipe's buffer is written before ``head`` leaves), so 141, as a
@@ -100,12 +103,28 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _chosen(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The fix ids of every ``--fix`` (repeated, or comma lists), in series order; None
+    without one. An unknown id is bad input, refused before anything is read."""
+    if not args.fix:
+        return None
+    from vllm_patches import _series
+
+    series = _series.load()
+    given = {part.strip() for value in args.fix for part in value.split(",")}
+    unknown = sorted(given - set(series.ids))
+    if unknown:
+        raise UserError(f"unknown fix {', '.join(unknown)} (the series has "
+                        f"{', '.join(series.ids)})")
+    return tuple(fix_id for fix_id in series.ids if fix_id in given)
+
+
 def _plan(checkout, args: argparse.Namespace, verb: str, three_way: bool = False):
     from vllm_patches import _plan, _series
 
     series = _series.load()
     release = _plan.resolve_release(checkout, series, args.release, verb)
-    return _plan.make(checkout, series, release, three_way)
+    return _plan.make(checkout, series, release, three_way, _chosen(args))
 
 
 def _opened(args: argparse.Namespace, verb: str, writes: bool):
@@ -129,10 +148,12 @@ def _print_plan(plan) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from vllm_patches._plan import State
 
+    _chosen(args)
     with _opened(args, "status", writes=False) as checkout:
         plan = _plan(checkout, args, "status", args.three_way)
         _print_plan(plan)
-    return EXIT_REFUSED if any(s.state is State.CONFLICT for s in plan.statuses) else EXIT_OK
+    stopped = (State.CONFLICT, State.BLOCKED)
+    return EXIT_REFUSED if any(s.state in stopped for s in plan.statuses) else EXIT_OK
 
 
 @contextmanager
@@ -162,22 +183,33 @@ def _default_checkout(release) -> Iterator[Path]:
 def cmd_apply(args: argparse.Namespace) -> int:
     from vllm_patches import _carry
 
+    _chosen(args)
     with (_default_checkout(args.release) if args.checkout is None
           else nullcontext(Path(args.checkout))) as path:
         args.checkout = str(path)
         with _opened(args, "apply", writes=True) as checkout:
             plan = _plan(checkout, args, "apply", args.three_way)
-            done, after = _carry.apply(plan, commit=not args.no_commit, check=args.check)
+            done, after = _carry.apply(plan, commit=not args.no_commit, check=args.check,
+                                       again=_again(args, checkout.path))
             return _report(after, done, args.check, "applies", "apply")
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     from vllm_patches import _carry
 
+    _chosen(args)
     with _opened(args, "revert", writes=True) as checkout:
         plan = _plan(checkout, args, "revert")
         done, after = _carry.revert(plan, commit=not args.no_commit, check=args.check)
         return _report(after, done, args.check, "reverts", "revert")
+
+
+def _again(args: argparse.Namespace, path: Path) -> str:
+    """This apply command with ``{fixes}`` for other --fix ids (a conflict's refusal)."""
+    options = [*([f"--release v{args.release}"] if args.release else []),
+               *(["--3way"] if args.three_way else []),
+               *(["--no-commit"] if args.no_commit else []), *(["--check"] if args.check else [])]
+    return " ".join(["vllm-patches apply", *options, "--fix {fixes}", str(path)])
 
 
 def _report(plan, done, check: bool, verb: str, noun: str) -> int:
@@ -362,18 +394,24 @@ def build_parser() -> argparse.ArgumentParser:
     def release_option(sub: argparse.ArgumentParser, **kwargs) -> None:
         sub.add_argument("--release", type=_release_arg, metavar="vX.Y.Z", **kwargs)
 
+    def fix_option(sub: argparse.ArgumentParser, verb_text: str) -> None:
+        sub.add_argument("--fix", action="append", metavar="ID[,ID...]",
+                         help=f"{verb_text} only these fixes (repeatable; default: all)")
+
     sub = verb("list", cmd_list, "the series, in order, with its metadata")
     sub.add_argument("-v", "--verbose", action="store_true", help="also What/Why/How/Future")
 
     sub = verb("status", cmd_status, "per fix: applicable, applied, applied or reverted but "
-                                     "not committed, upstream, not applicable, or conflict")
+                                     "not committed, upstream, not applicable, conflict, or "
+                                     "blocked (requires a fix that conflicts or is not chosen)")
     sub.add_argument("checkout")
     release_option(sub, help="the checkout's release, if it cannot be detected")
     sub.add_argument("--3way", dest="three_way", action="store_true",
                      help="judge as `apply --3way` would (git may merge where context differs)")
+    fix_option(sub, "show")
 
-    sub = verb("apply", cmd_apply, "apply the series for the checkout's release, all or "
-                                   "nothing (finishes a half-applied series)")
+    sub = verb("apply", cmd_apply, "apply the series (or the --fix ones) for the checkout's "
+                                   "release, all or nothing (finishes a half-applied series)")
     sub.add_argument("checkout", nargs="?",
                      help="a vLLM git checkout (default: fetch the release into ./vllm-vX.Y.Z)")
     release_option(sub, help="the checkout's release (default: detected; without a checkout, "
@@ -383,13 +421,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="let git fall back to a 3-way merge")
     sub.add_argument("--no-commit", action="store_true",
                      help="change the work tree only instead of one commit per fix (git am)")
+    fix_option(sub, "apply")
 
-    sub = verb("revert", cmd_revert, "undo the applied fixes, all or nothing")
+    sub = verb("revert", cmd_revert, "undo the applied fixes (or the --fix ones), all or "
+                                     "nothing")
     sub.add_argument("checkout")
     release_option(sub, help="the checkout's release, if it cannot be detected")
     sub.add_argument("--check", action="store_true", help="only say whether it would revert")
     sub.add_argument("--no-commit", action="store_true",
                      help="change the work tree only instead of adding revert commits")
+    fix_option(sub, "revert")
 
     sub = verb("export", cmd_export, "one fix as an upstream pull request: the fix and its "
                                      "tests, with the fixes it requires, signed off by you")

@@ -142,6 +142,32 @@ class PatchSet:
         """Every file the patches touch, sorted."""
         return sorted({path for patch in self.patches for path in patch.changes})
 
+    def blobs_of(self, numbers: frozenset[int]) -> Blobs | None:
+        """The touched files' blob ids with exactly the patches ``numbers`` (1-based)
+        applied, where the patch ids say it: each file's patches among ``numbers`` must
+        be the first of those that change it (patch k's ids are those of the tree with
+        patches 1..k-1). None where they do not (another order, or a file whose earlier
+        patch is missing: only git can tell what that file is then)."""
+        blobs: Blobs = {}
+        for path in self.paths():
+            touching = [n for n, p in enumerate(self.patches, start=1) if path in p.changes]
+            held = [n for n in touching if n in numbers]
+            if held != touching[:len(held)]:
+                return None
+            change = self.patches[(held or touching)[-1 if held else 0] - 1].changes[path]
+            blobs[path] = change.after if held else change.before
+        return blobs
+
+    def recognize(self, blobs: Blobs) -> frozenset[int] | None:
+        """The patches (numbers) a tree whose touched files have ``blobs`` holds, when
+        the patch ids alone say it (``blobs_of``); None otherwise."""
+        count = len(self.patches)
+        for mask in range(1 << count):
+            numbers = frozenset(n for n in range(1, count + 1) if mask >> (n - 1) & 1)
+            if self.blobs_of(numbers) == blobs:
+                return numbers
+        return None
+
     def positions(self) -> list[Blobs]:
         """The touched files' blob ids after 0 (the release), 1, .. n patches."""
         paths = self.paths()

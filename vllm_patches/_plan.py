@@ -1,32 +1,35 @@
 """What the series is on one checkout, worked out once: the release, each fix's state,
-the patch files, and how many of the release's patches HEAD and the work tree hold.
+the patch files, and which of the release's patches HEAD and the work tree hold.
 
 `status` prints a plan; `apply` and `revert` check it and carry it out (``_carry``);
-nothing recomputes it. Positions: the release's patches form a chain (patch k was
-generated on top of patches 1..k-1), so a tree holds the first ``k`` of them, its
-*position*, or is off the chain. git applies only a prefix (``git am`` stops at the
-first failure), and `apply` finishes a half-applied series from its position while
-`revert` undoes the prefix, so half-applied is a position like any other.
+nothing recomputes it. A tree holds a *set* of the release's patches: a fix the user
+did not choose (``--fix``), or one that conflicts, leaves the others applicable. Patch k
+was generated on top of patches 1..k-1, and any set of them that holds the fixes each
+one ``requires`` applies in series order on the release (tests/tool/test_dependencies.py
+proves it on every covered release), so a set is applied in series order and undone
+newest first. A fix whose requirement conflicts, is blocked, or is neither chosen nor
+held is *blocked*; the others are tried without it.
 
-Two ways to find the positions, the first one free:
+Two ways to find the sets, the first one free:
 
-- **Exact.** The committed patches carry full blob ids (``_patchset``), so the blob ids
-  of the touched files at every position are known. A checkout whose touched files are
-  exactly the release's, with or without some of the patches, is recognized from one
-  ``git ls-tree``: nothing is tried, every remaining patch applies as it is.
-- **Tried.** Otherwise git tries the patches in a scratch index and object store
-  (``_git.scratch_env``; the checkout is only read): the applied prefix is the longest
-  one whose patches reverse-apply, newest first; the rest are applied on top, in order,
-  each plainly or (``--3way``) with git's 3-way merge. A 3-way step must change the tree
-  (a merge that changes nothing means the change is already there). Reverse steps may
-  also merge: to recognize a series applied with ``--3way`` on edited files, the patches
-  are first replayed onto the release's own blobs (when the repository has them) so that
-  git has the post-images to merge with. Forward steps never see those replayed blobs:
-  they must only succeed where ``git am --3way`` in the checkout itself succeeds.
+- **Exact.** The committed patches carry full blob ids (``_patchset``). A checkout
+  whose touched files are the release's with some of its patches applied is recognized
+  from one ``git ls-tree`` (``PatchSet.recognize``), and a patch whose files hold
+  exactly its pre-image ids applies as it is: nothing is tried.
+- **Tried.** Otherwise git tries the patches in scratch indexes and object stores
+  (``_git.scratch_env``; the checkout is only read): the applied set is found by
+  reverse-applying the patches newest first, each one that reverse-applies being held;
+  the others are applied in series order, each plainly or (``--3way``) with git's 3-way
+  merge. A 3-way step must change the tree (a merge that changes nothing means the
+  change is already there). Reverse steps may also merge: to recognize a series applied
+  with ``--3way`` on edited files, the patches are first replayed onto the release's own
+  blobs (when the repository has them) so that git has the post-images to merge with.
+  Forward steps never see those replayed blobs: they must only succeed where ``git am
+  --3way`` in the checkout itself succeeds.
 
-The work tree is compared with the positions found: the touched files are either at a
-position (for instance after ``apply --no-commit``: the fixes are "applied, not
-committed") or carry other local changes, which `apply` and `revert` refuse.
+The work tree is found the same way from its own files: at a set of the patches (for
+instance after ``apply --no-commit``: the fixes are "applied, not committed"), or with
+other local changes, which `apply` and `revert` refuse.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ from vllm_patches._errors import UserError
 from vllm_patches._patchset import Blobs, Patch, PatchSet
 from vllm_patches._series import Fix, Need, Series
 
+# Patch numbers (1-based, series order) of the release's patches a tree holds.
+Numbers = frozenset[int]
+# Where a set was found: from HEAD's tree, or from the work tree's.
+HEAD, WORK = "HEAD", "work"
+
 
 class State(enum.Enum):
     """Where a needed fix's patch is on the checkout (a fix not needed has ``Fix.on``'s
@@ -53,6 +61,7 @@ class State(enum.Enum):
     UNCOMMITTED = "applied, not committed"  # in the work tree, not in HEAD
     REVERTED_UNCOMMITTED = "reverted, not committed"  # in HEAD, not in the work tree
     CONFLICT = "conflict"
+    BLOCKED = "blocked"  # requires a fix that conflicts, is blocked, or is not chosen
 
 
 @dataclass(frozen=True)
@@ -76,34 +85,53 @@ class Change:
     text: str | None = None
 
 
+def combined(changes: list[Change]) -> Change:
+    """One ``git apply`` of ``changes`` in order (git applies a file's diffs in turn)."""
+    if all(change.text is None for change in changes):
+        return Change(tuple(arg for change in changes for arg in change.args))
+    return Change(("-",), "".join(change.text or "" for change in changes))
+
+
 @dataclass(frozen=True)
 class Plan:
-    """The series on one checkout (see the module docstring)."""
+    """The series on one checkout (see the module docstring), for the fixes chosen."""
 
     checkout: Checkout
     series: Series
     release: Version
     three_way: bool
     patches: tuple[Patch, ...]
-    head: int  # how many of the patches HEAD holds
-    tree: int | None  # how many the work tree holds; None: touched files changed otherwise
+    chosen: tuple[str, ...] | None  # the fix ids chosen (``--fix``); None: every fix
+    head: Numbers  # the patches HEAD holds
+    tree: Numbers | None  # those the work tree holds; None: touched files changed otherwise
     local_changes: tuple[str, ...]  # touched files whose work tree or index differs from HEAD
     staged_touched: tuple[str, ...]  # touched files with staged changes
     staged_elsewhere: tuple[str, ...]  # other files with staged changes (git am would commit them)
-    # Patch number (1-based) -> its state when it is beyond both positions; missing: applicable.
+    # Patch number -> its state when chosen and in neither HEAD nor the work tree;
+    # missing: applicable.
     ahead: dict[int, tuple[State, str]] = field(default_factory=dict)
-    # Patch number -> the change that takes the tree from that position to the one before.
-    undo: dict[int, Change] = field(default_factory=dict)
-    # The change that takes the work tree from its position to the last patch.
+    # From the work tree's set: the change that applies the applicable chosen patches.
     finish: Change | None = None
+    # From HEAD's set and from the work tree's: the chosen patches it holds, newest
+    # first, each with the change that undoes it.
+    undo: dict[Numbers, tuple[tuple[int, Change], ...]] = field(default_factory=dict)
+
+    def chooses(self, fix: Fix) -> bool:
+        return self.chosen is None or fix.id in self.chosen
+
+    @property
+    def selected(self) -> Numbers:
+        """The numbers of the chosen fixes' patches."""
+        return frozenset(n for n, patch in enumerate(self.patches, start=1)
+                         if self.chooses(patch.fix))
 
     @property
     def statuses(self) -> list[FixStatus]:
-        """Every fix of the series on this checkout, in series order."""
+        """Every chosen fix of the series on this checkout, in series order."""
         numbered = {patch.fix.id: (number, patch)
                     for number, patch in enumerate(self.patches, start=1)}
         result = []
-        for fix in self.series.fixes:
+        for fix in filter(self.chooses, self.series.fixes):
             if fix.id in numbered:
                 number, patch = numbered[fix.id]
                 state, detail = self._patch_state(number, patch)
@@ -113,18 +141,37 @@ class Plan:
                 result.append(FixStatus(fix, verdict.need, verdict.detail))
         return result
 
+    def required(self, fix: Fix) -> list[int]:
+        """The patches of this release whose fixes ``fix`` requires, directly or not (a
+        requirement upstream or not needed here has none)."""
+        ids = {f.id for f in self.series.with_requirements(fix) if f is not fix}
+        return [n for n, patch in enumerate(self.patches, start=1) if patch.fix.id in ids]
+
+    def stranded(self, numbers: Numbers) -> list[tuple[Fix, list[str]]]:
+        """The fixes ``numbers`` holds that are not chosen but require chosen ones it
+        holds (reverting those would leave them without what they are built on), each
+        with the chosen fix ids it requires."""
+        result = []
+        for number in sorted(numbers):
+            fix = self.patches[number - 1].fix
+            required = [self.patches[n - 1].fix.id for n in self.required(fix)
+                        if n in numbers and self.chooses(self.patches[n - 1].fix)]
+            if required and not self.chooses(fix):
+                result.append((fix, required))
+        return result
+
     def _patch_state(self, number: int, patch: Patch) -> tuple[State, str]:
         tree = self.head if self.tree is None else self.tree
-        if number <= min(self.head, tree):
+        if number in self.head and number in tree:
             return State.APPLIED, ""
-        if number <= tree:
+        if number in tree:
             return State.UNCOMMITTED, ""
-        if number <= self.head:
+        if number in self.head:
             return State.REVERTED_UNCOMMITTED, ""
         return self.ahead.get(number, (State.APPLICABLE, patch.path.name))
 
-    def after(self, head: int, tree: int) -> Plan:
-        """The plan once an operation moved HEAD and the work tree to these positions."""
+    def after(self, head: Numbers, tree: Numbers) -> Plan:
+        """The plan once an operation moved HEAD and the work tree to these sets."""
         return replace(self, head=head, tree=tree)
 
     def notes(self) -> list[str]:
@@ -135,11 +182,14 @@ class Plan:
         return []
 
 
-def make(checkout: Checkout, series: Series, release: Version, three_way: bool) -> Plan:
-    """The plan of ``release``'s patches on ``checkout`` (see the module docstring)."""
+def make(checkout: Checkout, series: Series, release: Version, three_way: bool,
+         chosen: tuple[str, ...] | None = None) -> Plan:
+    """The plan of ``release``'s patches on ``checkout`` for the fixes ``chosen`` (every
+    fix when None; see the module docstring)."""
     patchset = PatchSet.load(series, release)
-    base = Plan(checkout, series, release, three_way, patchset.patches, head=0, tree=0,
-                local_changes=(), staged_touched=(), staged_elsewhere=())
+    base = Plan(checkout, series, release, three_way, patchset.patches, chosen,
+                head=frozenset(), tree=frozenset(), local_changes=(), staged_touched=(),
+                staged_elsewhere=())
     if not patchset.patches:
         return base
     paths = patchset.paths()
@@ -151,60 +201,167 @@ def make(checkout: Checkout, series: Series, release: Version, three_way: bool) 
     tree_blobs = {**head_blobs, **checkout.work_tree_blobs(changed)} if changed else head_blobs
     base = replace(base, local_changes=changed, staged_touched=staged_touched,
                    staged_elsewhere=staged_elsewhere)
-    exact = patchset.positions()
-    if head_blobs in exact:
-        head = exact.index(head_blobs)
-        tree = exact.index(tree_blobs) if tree_blobs in exact else None
-        patch_files = [str(patch.path) for patch in patchset.patches]
-        start = head if tree is None else tree
-        return replace(
-            base, head=head, tree=tree,
-            undo={n: Change(("-R", patch_files[n - 1])) for n in range(1, len(exact))},
-            finish=Change(tuple(patch_files[start:])))
+    head = patchset.recognize(head_blobs)
+    if head is not None:
+        tree = patchset.recognize(tree_blobs)
+        try:
+            return _Walks(base, _Exact(patchset)).plan(head, tree)
+        except _NotExact:
+            pass
     import tempfile  # only here: most checkouts are recognized without trying a patch
 
     with tempfile.TemporaryDirectory(prefix="vllm-patches-") as scratch:
-        trial = _Trial(checkout, patchset, head_blobs, Path(scratch), three_way)
-        return trial.plan(base, tree_blobs)
+        trial = _Trial(checkout, patchset, Path(scratch))
+        head = trial.walk_back(trial.head_tree, HEAD)
+        tree = head if not changed else trial.work_tree_set(changed, tree_blobs)
+        return _Walks(base, trial).plan(head, tree)
+
+
+class _NotExact(Exception):
+    """A step the patch ids alone cannot vouch for: git must try it."""
+
+
+class _Walks:
+    """The walks a plan is made of, the same for both ways of stepping (``_Exact``,
+    ``_Trial``): forward from HEAD's set over the chosen patches (their states), forward
+    from the work tree's set (``finish``), and back from each set over the chosen
+    patches it holds (``undo``)."""
+
+    def __init__(self, base: Plan, walker: _Exact | _Trial):
+        self.base = base
+        self.walker = walker
+        self.patches = base.patches
+        self.selected = base.selected
+
+    def plan(self, head: Numbers, tree: Numbers | None) -> Plan:
+        ahead, changes = self._ahead(head, keep=tree == head)
+        finish = None
+        undo = {head: self._undo(head, HEAD)}
+        if tree == head:  # the walk from HEAD was the work tree's too
+            finish = combined([changes[n] for n in sorted(changes)])
+        elif tree is not None:
+            finish = self._finish(tree, head, ahead)
+            undo[tree] = self._undo(tree, WORK)
+        return replace(self.base, head=head, tree=tree, ahead=ahead, finish=finish, undo=undo)
+
+    def _ahead(self, head: Numbers,
+               keep: bool) -> tuple[dict[int, tuple[State, str]], dict[int, Change]]:
+        """From HEAD's set, each chosen patch it lacks, in series order: applicable
+        (plainly or by a 3-way merge), a conflict, or blocked by a requirement that is
+        neither held, nor chosen, nor applicable; the next one is tried without it. With
+        ``keep``, also the change each applicable one makes."""
+        self.walker.begin(head, forward=True, start=HEAD)
+        ahead: dict[int, tuple[State, str]] = {}
+        changes: dict[int, Change] = {}
+        for number in sorted(self.selected - head):
+            patch = self.patches[number - 1]
+            stuck = [n for n in self.base.required(patch.fix) if n not in head and (
+                n not in self.selected or ahead.get(n, (State.APPLICABLE,))[0]
+                is not State.APPLICABLE)]
+            if stuck:
+                ahead[number] = (State.BLOCKED, "; ".join(
+                    self._why_blocked(n, ahead) for n in stuck))
+                continue
+            done, merged, reason, change = self.walker.step(
+                number, reverse=False, merge=self.base.three_way, keep=keep)
+            if done:
+                detail = f"{patch.path.name}, by a 3-way merge" if merged else patch.path.name
+                ahead[number] = (State.APPLICABLE, detail)
+                if change is not None:
+                    changes[number] = change
+            else:
+                ahead[number] = (State.CONFLICT, reason)
+        return ahead, changes
+
+    def _why_blocked(self, number: int, ahead: dict[int, tuple[State, str]]) -> str:
+        """Why a fix that requires patch ``number`` cannot go on."""
+        required = self.patches[number - 1].fix.id
+        if number not in self.selected:
+            return f"requires {required}, which is neither applied nor chosen"
+        state = ahead[number][0]
+        return f"requires {required}, which {'conflicts' if state is State.CONFLICT else 'is blocked'}"
+
+    def _finish(self, tree: Numbers, head: Numbers,
+                ahead: dict[int, tuple[State, str]]) -> Change | None:
+        """The change that takes the work tree (at another set than HEAD) to it plus
+        every chosen patch HEAD holds or that is applicable; None where git cannot make
+        a step there."""
+        todo = [n for n in sorted(self.selected - tree)
+                if n in head or ahead[n][0] is State.APPLICABLE]
+        self.walker.begin(tree, forward=True, start=WORK)
+        changes = []
+        for number in todo:
+            done, _merged, _reason, change = self.walker.step(
+                number, reverse=False, merge=self.base.three_way, keep=True)
+            if not done:
+                return None
+            changes.append(change)
+        return combined(changes)
+
+    def _undo(self, numbers: Numbers, start: str) -> tuple[tuple[int, Change], ...]:
+        """Each chosen patch ``numbers`` holds, newest first, with the change that undoes
+        it (a merge allowed: the series may have been applied with --3way); none where
+        a fix that stays requires one of them (`revert` refuses that)."""
+        if self.base.stranded(numbers):
+            return ()
+        self.walker.begin(numbers, forward=False, start=start)
+        steps = []
+        for number in sorted(numbers & self.selected, reverse=True):
+            done, _merged, _reason, change = self.walker.step(number, reverse=True, merge=True,
+                                                               keep=True)
+            if not done:
+                return ()
+            steps.append((number, change))
+        return tuple(steps)
+
+
+class _Exact:
+    """Steps vouched for by the patch ids: a patch applies exactly where its files hold
+    its pre-image ids (reversed: its post-image ids); anything else is ``_NotExact``."""
+
+    def __init__(self, patchset: PatchSet):
+        self.patchset = patchset
+        self.blobs: Blobs = {}
+
+    def begin(self, numbers: Numbers, forward: bool, start: str) -> None:
+        blobs = self.patchset.blobs_of(numbers)
+        if blobs is None:
+            raise _NotExact
+        self.blobs = blobs
+
+    def step(self, number: int, reverse: bool, merge: bool,
+             keep: bool) -> tuple[bool, bool, str, Change | None]:
+        patch = self.patchset.patches[number - 1]
+        for path, change in patch.changes.items():
+            if self.blobs[path] != (change.after if reverse else change.before):
+                raise _NotExact
+        for path, change in patch.changes.items():
+            self.blobs[path] = change.before if reverse else change.after
+        return True, False, "", Change((*(("-R",) if reverse else ()), str(patch.path)))
 
 
 class _Trial:
     """The patches tried by git in scratch stores (the "tried" way of the module docstring).
 
     Stores under ``scratch``: ``replay`` holds the release's post-images replayed onto its
-    own blobs; ``back`` the reverse steps (reads ``replay``); ``forth`` the forward steps
-    (reads the checkout only, as ``git am`` would); ``diff`` reads them all to write the
-    changes ``revert`` and ``apply --no-commit`` make.
+    own blobs; ``work`` the work tree's touched files; ``back`` the reverse steps (reads
+    ``replay`` and ``work``); ``forth`` the forward steps from HEAD (reads the checkout
+    only, as ``git am`` would); ``finish`` those from the work tree (reads ``work`` too).
     """
 
-    def __init__(self, checkout: Checkout, patchset: PatchSet, head_blobs: Blobs, scratch: Path,
-                 three_way: bool):
+    def __init__(self, checkout: Checkout, patchset: PatchSet, scratch: Path):
         self.repo = checkout.path
         self.patchset = patchset
-        self.head_blobs = head_blobs
         self.paths = patchset.paths()
         self.scratch = scratch
-        self.three_way = three_way
-        self.trees: dict[int, str] = {}
-        self.blobs: dict[int, Blobs] = {}
+        self.trees: dict[tuple[str, Numbers], str] = {}  # (walk's start, set) -> tree id
+        self.env: dict[str, str] = {}
+        self.head_tree = _git.run(self.repo, "rev-parse", "HEAD^{tree}").stdout.strip()
+        self._replay()
 
     def _env(self, name: str, reads: tuple[str, ...] = ()) -> dict[str, str]:
         return {**_git.ISOLATED_ENV, **_git.scratch_env(
             self.repo, self.scratch / name, tuple(self.scratch / r for r in reads))}
-
-    def plan(self, base: Plan, tree_blobs: Blobs) -> Plan:
-        self._replay()
-        head = self._walk_back()
-        ahead, first_merge = self._walk_forth(head)
-        tree = next((n for n, blobs in self.blobs.items() if blobs == tree_blobs), None)
-        diff_env = self._env("diff", ("replay", "back", "forth"))
-        undo = {n: self._diff(diff_env, n, n - 1) for n in range(1, max(head, tree or 0) + 1)}
-        start = head if tree is None else tree
-        last = len(self.patchset.patches)
-        finish = None
-        if last in self.trees and (self.three_way or first_merge is None or first_merge <= start):
-            finish = self._diff(diff_env, start, last)
-        return replace(base, head=head, tree=tree, ahead=ahead, undo=undo, finish=finish)
 
     def _replay(self) -> None:
         """The release's post-images, from its own blobs when the repository has them."""
@@ -223,105 +380,106 @@ class _Trial:
         _git.run(self.repo, "apply", "--cached", *(str(p.path) for p in patches), env=env,
                  check=False)
 
-    def _state(self, env: dict[str, str]) -> Blobs | None:
-        """The touched files' blobs in the scratch index; None while a merge conflicts."""
-        listed = _git.run(self.repo, "ls-files", "-s", "-z", "--", *self.paths, env=env).stdout
-        blobs: Blobs = dict.fromkeys(self.paths)
-        for entry in filter(None, listed.split("\0")):
-            info, path = entry.split("\t", 1)
-            _mode, blob, stage = info.split()
-            if stage != "0":
-                return None
-            blobs[path] = blob
-        return blobs
+    def work_tree_set(self, changed: tuple[str, ...], tree_blobs: Blobs) -> Numbers | None:
+        """The patches the work tree holds, found like HEAD's from its touched files
+        (written into the ``work`` store); None when undoing them does not lead where
+        undoing HEAD's does: the files carry other changes."""
+        env = self._env("work")
+        _git.run(self.repo, "read-tree", "HEAD", env=env)
+        present = [path for path in changed if tree_blobs[path]]
+        ids = _git.run(self.repo, "hash-object", "-w", "--stdin-paths", env=env,
+                       input="".join(f"{path}\n" for path in present)).stdout.split()
+        entries = "".join(f"100644 {blob}\t{path}\n" for path, blob in zip(present, ids))
+        entries += "".join(f"0 {'0' * 40}\t{path}\n" for path in changed
+                           if not tree_blobs[path])
+        _git.run(self.repo, "update-index", "--add", "--index-info", env=env, input=entries)
+        work_tree = _git.run(self.repo, "write-tree", env=env).stdout.strip()
+        found = self.walk_back(work_tree, WORK)
+        if self.trees[(WORK, frozenset())] != self.trees[(HEAD, frozenset())]:
+            return None
+        return found
 
-    def _step(self, env: dict[str, str], patch: Patch, reverse: bool) -> tuple[bool, bool, str]:
-        """Apply ``patch`` to the scratch index, plainly or else by a 3-way merge that
-        changes something: (done, merged, git's reason the plain apply failed)."""
+    def walk_back(self, start_tree: str, start: str) -> Numbers:
+        """The patches the tree ``start_tree`` holds: newest first, each one that
+        reverse-applies (plainly, or by a 3-way merge that changes the tree). Records
+        the tree of each set on the way down to the empty one, under ``start``."""
+        self.env = self._env("back", ("replay", "work"))
+        _git.run(self.repo, "read-tree", start_tree, env=self.env)
+        undone: list[int] = []
+        walked: list[tuple[Numbers, str]] = []
+        for number in range(len(self.patchset.patches), 0, -1):
+            before = self._tree()
+            if self._try(number, reverse=True, merge=True, before=before)[0]:
+                undone.append(number)
+                walked.append((frozenset(undone), self._tree()))
+        held = frozenset(undone)
+        self.trees[(start, held)] = start_tree
+        for gone, tree in walked:
+            self.trees[(start, held - gone)] = tree
+        return held
+
+    def begin(self, numbers: Numbers, forward: bool, start: str) -> None:
+        """Put the scratch index at the tree of ``numbers`` found from ``start`` (else
+        from HEAD), for forward or reverse steps."""
+        if (start, numbers) not in self.trees:
+            start = HEAD
+        if not forward:
+            self.env = self._env("back", ("replay", "work"))
+        else:  # the work tree's own files are read only when it is the start
+            self.env = self._env("finish", ("work",)) if start == WORK else self._env("forth")
+        _git.run(self.repo, "read-tree", self.trees[(start, numbers)], env=self.env)
+
+    def step(self, number: int, reverse: bool, merge: bool,
+             keep: bool) -> tuple[bool, bool, str, Change | None]:
+        """``_try``, and with ``keep`` the change the step made, as a diff."""
+        before = self._tree()
+        done, merged, reason = self._try(number, reverse, merge, before)
+        return done, merged, reason, self._diff(before, self._tree()) if keep and done else None
+
+    def _tree(self) -> str:
+        return _git.run(self.repo, "write-tree", env=self.env).stdout.strip()
+
+    def _try(self, number: int, reverse: bool, merge: bool,
+             before: str) -> tuple[bool, bool, str]:
+        """Apply patch ``number`` to the scratch index (whose tree is ``before``),
+        plainly or else by a 3-way merge that changes something (kept only with
+        ``merge``): (done, merged, git's reason the plain apply failed). A failed step
+        leaves the index as it was."""
+        patch = self.patchset.patches[number - 1]
         direction = ("-R",) if reverse else ()
-        plain = _git.run(self.repo, "apply", "--cached", *direction, str(patch.path), env=env,
-                         check=False)
+        plain = _git.run(self.repo, "apply", "--cached", *direction, str(patch.path),
+                         env=self.env, check=False)
         if plain.returncode == 0:
             return True, False, ""
         reason = _git.reason(plain.stderr)
-        before = self._state(env)
-        merged = _git.run(self.repo, "apply", "--cached", "--3way", *direction, str(patch.path),
-                          env=env, check=False)
-        after = self._state(env)
-        if merged.returncode == 0 and after is not None and after != before:
+        merged = _git.run(self.repo, "apply", "--cached", "--3way", *direction,
+                          str(patch.path), env=self.env, check=False)
+        conflicted = self._conflicted()
+        changed = not conflicted and self._tree() != before
+        if merged.returncode == 0 and changed and merge:
             return True, True, reason
-        if after is None:  # conflicts left in the scratch index
+        if merged.returncode == 0 and changed:
+            reason += "; it merges with --3way"
+        elif conflicted:  # conflicts left in the scratch index
             files = [line.split("'")[1] for line in merged.stderr.splitlines()
                      if "with conflicts" in line and "'" in line]
             reason += f"; a 3-way merge conflicts in {', '.join(files) or 'the files'}"
         elif merged.returncode == 0:
             reason += "; its changes are already there"
+        _git.run(self.repo, "read-tree", before, env=self.env)
         return False, False, reason
 
-    def _record(self, env: dict[str, str], position: int) -> None:
-        self.blobs[position] = self._state(env) or {}
-        self.trees[position] = _git.run(self.repo, "write-tree", env=env).stdout.strip()
+    def _conflicted(self) -> bool:
+        """Whether a merge left conflicts (entries of stage 1 to 3) in the scratch index."""
+        listed = _git.run(self.repo, "ls-files", "-s", "-z", "--", *self.paths,
+                          env=self.env).stdout
+        return any(entry.split("\t", 1)[0].split()[2] != "0"
+                   for entry in filter(None, listed.split("\0")))
 
-    def _walk_back(self) -> int:
-        """HEAD's position: the longest prefix whose patches reverse-apply, newest first."""
-        env = self._env("back", ("replay",))
-        patches = self.patchset.patches
-        head_tree = _git.run(self.repo, "rev-parse", "HEAD^{tree}", env=env).stdout.strip()
-        for count in range(len(patches), 0, -1):
-            _git.run(self.repo, "read-tree", "HEAD", env=env)
-            steps: dict[int, tuple[Blobs, str]] = {}
-            for number in range(count, 0, -1):
-                done, _merged, _reason = self._step(env, patches[number - 1], reverse=True)
-                if not done:
-                    break
-                steps[number - 1] = (self._state(env) or {}, _git.run(
-                    self.repo, "write-tree", env=env).stdout.strip())
-            else:
-                self.trees[count] = head_tree
-                self.blobs[count] = self.head_blobs
-                for position, (blobs, tree) in steps.items():
-                    self.blobs[position], self.trees[position] = blobs, tree
-                return count
-        return 0
-
-    def _walk_forth(self, head: int) -> tuple[dict[int, tuple[State, str]], int | None]:
-        """From HEAD's position, each later patch in order: applicable (plainly or by a
-        3-way merge) or the first conflict, everything after it waiting for it. Positions
-        reached by a merge are recorded even without ``--3way``, so that a work tree there
-        is recognized. Returns the states and the first patch that needed a merge."""
-        env = self._env("forth")
-        patches = self.patchset.patches
-        _git.run(self.repo, "read-tree", "HEAD", env=env)
-        self._record(env, head)
-        ahead: dict[int, tuple[State, str]] = {}
-        first_merge: int | None = None
-        for number in range(head + 1, len(patches) + 1):
-            patch = patches[number - 1]
-            done, merged, reason = self._step(env, patch, reverse=False)
-            blocked = first_merge is not None and not self.three_way
-            if not done:
-                blocker = patches[first_merge - 1] if blocked else patch
-                ahead[number] = ((State.CONFLICT, f"needs {blocker.fix.id} first") if blocked
-                                 else (State.CONFLICT, reason))
-                for later in range(number + 1, len(patches) + 1):
-                    ahead[later] = (State.CONFLICT, f"needs {blocker.fix.id} first")
-                break
-            self._record(env, number)
-            if blocked:
-                ahead[number] = (State.CONFLICT, f"needs {patches[first_merge - 1].fix.id} first")
-            elif merged and not self.three_way:
-                first_merge = number
-                ahead[number] = (State.CONFLICT, f"{reason}; it merges with --3way")
-            else:
-                first_merge = number if merged and first_merge is None else first_merge
-                detail = f"{patch.path.name}, by a 3-way merge" if merged else patch.path.name
-                ahead[number] = (State.APPLICABLE, detail)
-        return ahead, first_merge
-
-    def _diff(self, env: dict[str, str], start: int, end: int) -> Change:
+    def _diff(self, start: str, end: str) -> Change:
         text = _git.run(self.repo, "diff", "--full-index", "--binary", "--no-renames",
-                        "--no-ext-diff", "--no-textconv", self.trees[start], self.trees[end],
-                        "--", *self.paths, env=env).stdout
+                        "--no-ext-diff", "--no-textconv", start, end, "--", *self.paths,
+                        env=self.env).stdout
         return Change(("-",), text)
 
 

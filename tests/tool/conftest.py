@@ -14,6 +14,18 @@ GIT_STATE = ("rebase-apply", "rebase-merge", "MERGE_HEAD", "MERGE_MSG", "CHERRY_
              "REVERT_HEAD", "sequencer", "ORIG_HEAD", "logs/refs/stash")
 
 
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """The verb ``argv`` in this process: its exit code, stdout and stderr."""
+    from vllm_patches._cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse rejects bad arguments with exit 2
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
                           text=True).stdout

@@ -4,10 +4,10 @@ every refusal leaves the checkout exactly as it was."""
 from pathlib import Path
 
 import pytest
-from conftest import git, snapshot
+from conftest import git, run, snapshot
 
 from vllm_patches import _series
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED, main
+from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 SERIES = _series.load()
 RELEASE = _series.Version("0.21.0")
@@ -19,15 +19,6 @@ PATCHES = [_series.PATCHES_DIR / f"v{RELEASE}" / line for line in
 COORDINATOR = "vllm/v1/core/kv_cache_coordinator.py"
 # A context line of F1's first hunk in the coordinator (not a line F1 changes).
 CONTEXT_LINE = "            num_local_computed_tokens: The number of local computed tokens."
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse rejects bad arguments with exit 2
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_status_on_stock_says_applicable(checkout, capsys):

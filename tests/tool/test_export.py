@@ -13,10 +13,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import CONTRIBUTOR_EMAIL, CONTRIBUTOR_NAME, git, snapshot
+from conftest import CONTRIBUTOR_EMAIL, CONTRIBUTOR_NAME, git, run, snapshot
 
 from vllm_patches import _export, _releases, _series
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED, main
+from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 from vllm_patches._patchset import PatchSet
 
 SERIES = _series.load()
@@ -25,15 +25,6 @@ NAME, EMAIL = CONTRIBUTOR_NAME, CONTRIBUTOR_EMAIL
 SIGN_OFF = f"Signed-off-by: {NAME} <{EMAIL}>"
 # A fix that needs another one, and the newest lane where that shows.
 DEPENDENT = next(fix for fix in SERIES.fixes if fix.requires and fix.on(NEWEST).needed)
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,84 @@
+"""``requires`` is true for every fix: a fix's committed patch applies on the release
+without the fixes it does not require, and does not apply without one it requires.
+
+`apply --fix` applies any set of the release's patches that holds each one's
+requirements, in series order, and a conflicting fix leaves the fixes that do not
+require it applicable (``_plan``). Both rest on this: patch k is generated on top of
+patches 1..k-1, so a patch could depend on an earlier one's lines without the
+metadata saying so. Checked on the lanes (the newest covered release among them), in a
+scratch index and object store: the cached release is only read.
+"""
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from vllm_patches import _git, _releases, _series
+from vllm_patches._patchset import Patch, PatchSet
+
+SERIES = _series.load()
+RELEASES = sorted(set(SERIES.lanes))
+
+
+def applies(tree: Path, scratch: Path, patches: list[Patch]) -> str | None:
+    """None when ``patches`` apply plainly, in this order, on ``tree``'s HEAD; else
+    git's reason for the first that does not."""
+    env = {**_git.ISOLATED_ENV, **_git.scratch_env(tree, scratch)}
+    _git.run(tree, "read-tree", "HEAD", env=env)
+    for patch in patches:
+        proc = _git.run(tree, "apply", "--cached", str(patch.path), env=env, check=False)
+        if proc.returncode != 0:
+            return f"{patch.fix.id}: {_git.reason(proc.stderr)}"
+    return None
+
+
+def requirements(patchset: PatchSet, patch: Patch) -> set[str]:
+    """The fixes with a patch on this release that ``patch``'s fix requires, directly or not."""
+    ids = {p.fix.id for p in patchset.patches}
+    return {f.id for f in SERIES.with_requirements(patch.fix) if f is not patch.fix} & ids
+
+
+@pytest.mark.parametrize("release", RELEASES, ids=str)
+def test_every_set_that_holds_its_requirements_applies_in_series_order(release, tmp_path):
+    """Every fix alone with what it requires applies on the release (so each fix is
+    independent of every fix it does not require), and so does every union of such
+    sets: what `apply --fix` and a conflict that blocks one fix leave to apply."""
+    tree = _releases.fetch(release)
+    patchset = PatchSet.load(SERIES, release)
+    patches = patchset.patches
+    tried = 0
+    for size in range(1, len(patches) + 1):
+        for chosen in itertools.combinations(patches, size):
+            ids = {p.fix.id for p in chosen}
+            if any(not requirements(patchset, p) <= ids for p in chosen):
+                continue
+            tried += 1
+            assert applies(tree, tmp_path / f"set{tried}", list(chosen)) is None, (
+                f"v{release}: {', '.join(sorted(ids))} do not apply in series order on the "
+                f"release; declare the requirement in the fix's `requires`")
+    assert tried >= len(patches)
+
+
+@pytest.mark.parametrize("release", RELEASES, ids=str)
+def test_a_fix_does_not_apply_without_a_fix_it_requires(release, tmp_path):
+    """Each declared requirement is one of the patch: the fix's patch fails on the
+    release with every other patch but the required one (and the fixes built on it).
+    Today every requirement is of this kind (F3's hooks are F2's: its patch changes
+    lines F2's adds); a fix that needs another only at run time would be proven
+    another way."""
+    tree = _releases.fetch(release)
+    patchset = PatchSet.load(SERIES, release)
+    checked = 0
+    for patch in patchset.patches:
+        for required in requirements(patchset, patch):
+            others = [p for p in patchset.patches if p is not patch
+                      and p.fix.id != required and required not in requirements(patchset, p)]
+            reason = applies(tree, tmp_path / f"without{checked}", [*others, patch])
+            assert reason is not None and reason.startswith(f"{patch.fix.id}: "), (
+                f"v{release}: {patch.fix.id} applies without {required}, which its "
+                f"`requires` names")
+            checked += 1
+    needed = [f for f in SERIES.applicable(release) if f.requires]
+    assert checked >= len(needed)
+
