@@ -169,8 +169,9 @@ def plugin_left_out(environ: Mapping[str, str]) -> Finding | None:
 
 
 def unknown_fixes(environ: Mapping[str, str], series: _series.Series) -> Finding | None:
-    """BAD where ``VLLM_PATCHES_FIXES`` names a fix the series lacks (the plugin would
-    activate none): said even without vLLM here, where no activation is computed."""
+    """BAD where ``VLLM_PATCHES_FIXES`` names a fix the series lacks, or a fix without one
+    it requires (the plugin would activate none): said even without vLLM here, where no
+    activation is computed."""
     try:
         _runtime.selected_ids(series, environ)
     except _runtime.ActivationError as exc:

@@ -194,7 +194,8 @@ def env_flag(environ: Mapping[str, str], name: str) -> bool:
 
 
 def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
-    """The fix ids ``VLLM_PATCHES_FIXES`` names (all when unset), in series order."""
+    """The fix ids ``VLLM_PATCHES_FIXES`` names (all when unset), in series order; an
+    unknown id, or a fix named without one it requires, is an ActivationError."""
     known = [fix.id for fix in series.fixes]
     raw = environ.get(ENV_FIXES, "").strip()
     if raw.lower() in ("", "all"):
@@ -205,6 +206,12 @@ def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
         raise ActivationError(f"{ENV_FIXES} names unknown {word(len(unknown), 'fix', 'fixes')} "
                               f"{', '.join(unknown)} "
                               f"(the series has {', '.join(known)})")
+    # F3's hooks build on F2's: a fix without one it requires would run half a fix.
+    missing = [f"{fix.id} requires {needed}" for fix in series.fixes if fix.id in wanted
+               for needed in fix.requires if needed not in wanted]
+    if missing:
+        raise ActivationError(f"{ENV_FIXES}={raw!r}: {'; '.join(missing)}, which it does not "
+                              "name (add it)")
     return [fix_id for fix_id in known if fix_id in wanted]
 
 

@@ -685,6 +685,15 @@ def test_selection_by_environment():
         _runtime.env_flag({"VLLM_PATCHES_DISABLE": "maybe"}, "VLLM_PATCHES_DISABLE")
 
 
+def test_a_fix_chosen_without_one_it_requires_activates_nothing():
+    """F3's hooks build on F2's (F3.toml requires): VLLM_PATCHES_FIXES=F3 alone would run
+    half a fix, so it is refused as a bad value (no fix active, the ERROR line says why),
+    as `apply --fix F3` is refused on a checkout."""
+    with pytest.raises(ActivationError, match="VLLM_PATCHES_FIXES='F3,F4': F3 requires F2"):
+        _runtime.selected_ids(SERIES, {"VLLM_PATCHES_FIXES": "F3,F4"})
+    assert _runtime.selected_ids(SERIES, {"VLLM_PATCHES_FIXES": "F2,F3"}) == ["F2", "F3"]
+
+
 def test_supported_range_is_oldest_lane_series_to_newest_lane():
     supported = SERIES.supported
     lanes = sorted(SERIES.lanes)
