@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,12 +54,26 @@ class Need(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PullRequestText:
+    """What the pull request `export` sends says of a fix on a base from ``since`` on
+    (``None``: the fix's first release): its purpose in one or two sentences and its
+    root cause and design in a few. Words that hold on some releases only (a timeout up
+    to v0.21, a lease from v0.22) are a variant that starts where they become true."""
+
+    since: Version | None
+    purpose: str
+    details: str
+
+
+@dataclass(frozen=True)
 class Verdict:
     """``Fix.on``'s answer: the need, and for a fix not needed why (``since v0.24.0``,
-    ``needed on vLLM >=0.19.0, not on v0.18.0``)."""
+    ``needed on vLLM >=0.19.0, not on v0.18.0``); for a needed fix, what its pull
+    request says on that release (``words``)."""
 
     need: Need
     detail: str = ""
+    words: PullRequestText | None = field(default=None, compare=False)
 
     @property
     def needed(self) -> bool:
@@ -116,27 +130,46 @@ class UpstreamTestNote:
         return node == self.node or ("[" not in self.node and node.startswith(self.node + "["))
 
 
-def _pull_request_fields(data: dict, path: Path) -> dict[str, str]:
-    """The ``export`` keys of a fix's metadata, checked: ``purpose`` always; ``title``
-    exactly when the fix requires others (a series of several commits needs a title of
-    its own; one commit's is its subject); ``relation`` exactly when ``pr`` names an
-    upstream PR that is still open (no ``upstream_since``)."""
+def is_pull_request(url: str) -> bool:
+    """Whether an upstream link names a pull request (``.../pull/N``), not an issue: a
+    PR description says ``Fixes #N`` only of issues (GitHub closes them on merge)."""
+    return "/pull/" in url
+
+
+def _pull_request_fields(data: dict, path: Path) -> dict[str, object]:
+    """The ``export`` keys of a fix's metadata, checked: ``purpose`` and ``details``
+    always; ``title`` exactly when the fix requires others (a series of several commits
+    needs a title of its own; one commit's is its subject); ``relation`` exactly when
+    ``pr`` names an upstream PR that is still open (no ``upstream_since``) or ``bug``
+    names a PR rather than an issue (a PR is related to, never fixed). ``from``
+    holds variants for bases from a release on: ``export.from."0.22.0".purpose``
+    replaces ``purpose`` on v0.22.0 and later (until a later ``from``)."""
     export = data.get("export", {})
-    unknown = export.keys() - {"title", "purpose", "relation"}
+    unknown = export.keys() - {"title", "purpose", "details", "relation", "from"}
     if unknown:
-        raise ValueError(f"{path}: export keys are purpose, relation, title; not "
-                         f"{', '.join(sorted(unknown))}")
-    if "purpose" not in export:
-        raise ValueError(f"{path}: export.purpose (the PR's purpose, one or two sentences) "
-                         "is missing")
+        raise ValueError(f"{path}: export keys are details, from, purpose, relation, "
+                         f"title; not {', '.join(sorted(unknown))}")
+    for key, what in (("purpose", "the PR's purpose, one or two sentences"),
+                      ("details", "root cause and design, a few sentences")):
+        if key not in export:
+            raise ValueError(f"{path}: export.{key} ({what}) is missing")
     if bool(export.get("title")) != bool(data.get("requires")):
         raise ValueError(f"{path}: export.title is required exactly when the fix requires "
                          "others (the title of their series)")
-    if bool(export.get("relation")) != bool(data["pr"] and not data["upstream_since"]):
+    open_pr = bool(data["pr"] and not data["upstream_since"]) or is_pull_request(data["bug"])
+    if bool(export.get("relation")) != open_pr:
         raise ValueError(f"{path}: export.relation (one line: does the series supersede or "
-                         "complement the open PR `pr` names?) is required exactly when "
-                         "`pr` names an open upstream PR")
-    return {"pr_title": export.get("title", ""), "pr_purpose": export["purpose"].strip(),
+                         "complement the open PR `pr` or `bug` names?) is required exactly "
+                         "when `pr` names an open upstream PR or `bug` names a PR")
+    texts = [PullRequestText(None, export["purpose"].strip(), export["details"].strip())]
+    for since, variant in sorted(export.get("from", {}).items(), key=lambda i: Version(i[0])):
+        if not variant or variant.keys() - {"purpose", "details"}:
+            raise ValueError(f"{path}: export.from.\"{since}\" replaces purpose or details, "
+                             f"not {', '.join(sorted(variant)) or 'nothing'}")
+        texts.append(PullRequestText(Version(since),
+                                     variant.get("purpose", texts[-1].purpose).strip(),
+                                     variant.get("details", texts[-1].details).strip()))
+    return {"pr_title": export.get("title", ""), "pr_texts": tuple(texts),
             "pr_relation": export.get("relation", "").strip()}
 
 
@@ -166,10 +199,11 @@ class Fix:
     replaces: tuple[UpstreamTestNote, ...] = ()
     requires: tuple[str, ...] = ()  # ids of the fixes this one is built on, applied before it
     # The pull request `export` sends for this fix and what it requires (``export.*``):
-    # its title when that is a series of several commits, its purpose in one or two
-    # sentences, and how it relates to the open upstream PR ``pr`` names, if any.
+    # its title when that is a series of several commits, its purpose and details per
+    # base (``on(release).words``), and how it relates to the open upstream PR ``pr``
+    # names, if any.
     pr_title: str = ""
-    pr_purpose: str = ""
+    pr_texts: tuple[PullRequestText, ...] = ()
     pr_relation: str = ""
 
     @classmethod
@@ -248,13 +282,15 @@ class Fix:
     def on(self, release: Version) -> Verdict:
         """What the fix is on ``release``: every command and the runtime ask this, and only
         this. Needed from ``releases`` on until ``upstream_since``; whether ``release`` is
-        one the series is verified on is the series' question (``Series.supported``)."""
+        one the series is verified on is the series' question (``Series.supported``).
+        A needed fix's verdict carries what its pull request says on that release."""
         if self.upstream_since is not None and release >= self.upstream_since:
             return Verdict(Need.UPSTREAM, f"since v{self.upstream_since}")
         if release not in self.releases:
             return Verdict(Need.NOT_APPLICABLE,
                            f"needed on vLLM {self.describe_needed()}, not on v{release}")
-        return Verdict(Need.NEEDED)
+        words = [t for t in self.pr_texts if t.since is None or release >= t.since]
+        return Verdict(Need.NEEDED, words=words[-1] if words else None)
 
 
 @dataclass(frozen=True)
