@@ -39,6 +39,7 @@ from vllm_patches._checkout import Checkout, opened
 from vllm_patches._errors import Refused, UserError
 from vllm_patches._patchset import PatchSet
 from vllm_patches._series import Fix, Series
+from vllm_patches._splice import Overlay
 
 # Plain `git am` strips the subject's [Bugfix][NIXL] tags along with [PATCH k/n].
 GIT_AM = "git am --keep-non-patch"
@@ -111,6 +112,7 @@ class Export:
     patches: tuple[tuple[str, str], ...]  # (file name, text) as git format-patch writes them
     template: str | None = None  # the base's pull request template, if it has one
     upstream_tests: tuple[str, ...] = ()  # the series' upstream suites the base has
+    amended_tests: tuple[str, ...] = ()  # upstream tests the series changes (test_overlays)
 
     @property
     def applies(self) -> bool:
@@ -119,7 +121,7 @@ class Export:
     def touched(self) -> list[str]:
         """Every path the series may change: the fixes' upstream files and their tests."""
         return sorted({Fix.upstream_path(o) for f in self.fixes for o in f.overlays}
-                      | {test for f in self.fixes for test in f.tests})
+                      | {test for f in self.fixes for test in (*f.tests, *f.test_overlays)})
 
     @property
     def backport_of(self) -> Version | None:
@@ -205,7 +207,16 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, contributor: C
         if blocked_by is None:
             patches = commits.patches("-s", *([f"--base={base}"] if upstream_base else []))
     return Export(fix, fixes, named, release, base_text, tuple(steps), tuple(patches),
-                  template, suites)
+                  template, suites, _amended_tests(fixes, release))
+
+
+def _amended_tests(fixes: tuple[Fix, ...], release: Version) -> tuple[str, ...]:
+    """The upstream tests the series' patches change on ``release`` (their fixes'
+    ``test_overlays``), by name."""
+    ids = [f.id for f in fixes]
+    return tuple(definition.name for f in fixes for test in f.test_overlays
+                 for definition in Overlay.parse(fix_test_file(test)).select(ids, release)
+                 if definition.fix == f.id)
 
 
 def _add_fix(commits: _git.Commits, fix: Fix, patch: Path, three_way: bool) -> str | None:
@@ -291,11 +302,9 @@ def _test_result(export: Export) -> str:
     skipped = sum(len(f.deselected(release)) for f in fixes) if export.upstream_tests else 0
     if skipped:
         result += f" but {skipped} of the existing ones that need a GPU, model weights or nixl"
-    parts = [result + "."]
-    for note in (n for f in fixes for n in f.replaces if n.applies(release)):
-        parts.append(f"`{note.node.rpartition('::')[2]}` expects the old behaviour: it "
-                     f"{note.why}.")
-    return "\n\n".join(parts)
+    amended = ", ".join(f"`{name}`" for name in export.amended_tests)
+    return result + "." + (f" It updates {amended}, whose expectation it changes (the "
+                           "test's comment says how)." if amended else "")
 
 
 def _root_causes(export: Export) -> str:

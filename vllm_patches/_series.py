@@ -91,30 +91,28 @@ class Verdict:
 class UpstreamTestNote:
     """An upstream test a fix's metadata names for some releases, and why:
     ``[[deselect]]`` (left out of the lane runs: the CPU, offline environment fails
-    it), ``[[timing_sensitive]]`` (rerun alone when it fails in a lane) or
-    ``[[replaces]]`` (its expectation is what the fix changes; ``by`` names the fix
-    test that checks the new one; see tools/lanes.py)."""
+    it) or ``[[timing_sensitive]]`` (rerun alone when it fails in a lane; see
+    tools/lanes.py). An upstream test whose expectation the fix changes is no note:
+    the fix amends it (``test_overlays``)."""
 
     node: str
     releases_text: str  # PEP 440 specifier; "" for every release
     why: str
-    by: str = ""
 
     @classmethod
     def load_all(cls, entries: object, path: Path, table: str) -> tuple[UpstreamTestNote, ...]:
         """``[[table]]`` tables: ``node``, ``why``, optional ``releases`` (a PEP 440
-        specifier; every release when absent), and for ``replaces`` ``by``."""
-        keys = {"node", "releases", "why"} | ({"by"} if table == "replaces" else set())
+        specifier; every release when absent)."""
+        keys = {"node", "releases", "why"}
         if not isinstance(entries, list):
             raise TypeError(f"{path}: {table} must be an array of tables ([[{table}]])")
         result = []
         for entry in entries:
-            if not isinstance(entry, dict) or entry.keys() - keys or (
-                    table == "replaces" and "by" not in entry):
+            if not isinstance(entry, dict) or entry.keys() - keys:
                 raise ValueError(f"{path}: {table} entry {entry!r}: keys are "
                                  f"{', '.join(sorted(keys))}")
             result.append(cls(node=entry["node"], releases_text=entry.get("releases", ""),
-                              why=entry["why"].strip(), by=entry.get("by", "")))
+                              why=entry["why"].strip()))
         return tuple(result)
 
     @cached_property
@@ -196,7 +194,10 @@ class Fix:
     upstream_tests: tuple[str, ...]
     deselect: tuple[UpstreamTestNote, ...]
     timing_sensitive: tuple[UpstreamTestNote, ...] = ()
-    replaces: tuple[UpstreamTestNote, ...] = ()
+    # Upstream test modules whose tests the fix changes, amended by overlays at their
+    # upstream paths in this repository (``tests/v1/...``, markers as in the overlays
+    # under vllm_patches/): the fix's patch carries the amended tests.
+    test_overlays: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()  # ids of the fixes this one is built on, applied before it
     # The pull request `export` sends for this fix and what it requires (``export.*``):
     # its title when that is a series of several commits, its purpose and details per
@@ -236,7 +237,7 @@ class Fix:
             deselect=UpstreamTestNote.load_all(data.get("deselect", []), path, "deselect"),
             timing_sensitive=UpstreamTestNote.load_all(data.get("timing_sensitive", []), path,
                                                        "timing_sensitive"),
-            replaces=UpstreamTestNote.load_all(data.get("replaces", []), path, "replaces"),
+            test_overlays=tuple(data.get("test_overlays", ())),
             **pull_request,
         )
 
@@ -265,10 +266,6 @@ class Fix:
     def deselected(self, release: Version) -> list[str]:
         """The upstream test node ids left out of ``release``'s lane run."""
         return [entry.node for entry in self.deselect if entry.applies(release)]
-
-    def replaced(self, release: Version) -> list[str]:
-        """The upstream test node ids whose expectation the fix changes on ``release``."""
-        return [entry.node for entry in self.replaces if entry.applies(release)]
 
     def timing_sensitive_on(self, release: Version) -> list[UpstreamTestNote]:
         """The upstream tests of ``release`` whose time limits a loaded machine can miss."""
