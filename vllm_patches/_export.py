@@ -263,8 +263,9 @@ def _overview(export: Export) -> str:
     if fix.pr_relation:
         text += f"\n\n{_unwrap(fix.pr_relation)}"
     if export.backport_of is not None:
-        text += (f"\n\nBackport to v{export.release} of {upstream_ref(fix.pr)}, in vLLM "
-                 f"since v{export.backport_of}.")
+        pr = f" {upstream_ref(fix.pr)}" if fix.pr else ""
+        text += (f"\n\nBackport to v{export.release} of{pr or ' the fix'}, in vLLM since "
+                 f"v{export.backport_of}.")
     return text
 
 
