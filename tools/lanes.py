@@ -9,7 +9,9 @@ For each lane (a covered release whose tests CI runs, `lanes` in series.toml):
   4. stock: every test a fix lists in ``stock_fails`` must fail, the others pass;
   5. patched: the fix tests and upstream's own suites for the changed code pass, less the
      upstream tests a fix deselects for the release (``[[deselect]]``, each with its
-     reason; each entry must match a test);
+     reason, the CPU, offline environment; each entry must match a test). An upstream
+     test whose expectation a fix changes runs as the fix's patch amends it
+     (``test_overlays``), never deselected;
   6. for fixes already upstream in the release, their bug reproductions pass on stock;
   7. runtime mode: this package is installed into the lane venv (as a wheel, the way
      users install it), and the fix tests run on the *stock* tree once more with
@@ -299,13 +301,8 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
         t for fix in fixes for t in fix.upstream_tests if (patched / t.split("::")[0]).exists()]
     # Deselects of the upstream files this run holds (a release may lack a file).
     upstream_files = {t.split("::")[0] for t in upstream}
-    replaced = [node for fix in fixes for node in fix.replaced(release)
-                if node.split("::")[0] in upstream_files]
-    if replaced:
-        problems += check_replaced(release, python, stock, patched, dist_root, replaced,
-                                   lane_dir)
-    deselect = list(dict.fromkeys([*(node for fix in fixes for node in fix.deselected(release)
-                                     if node.split("::")[0] in upstream_files), *replaced]))
+    deselect = list(dict.fromkeys(node for fix in fixes for node in fix.deselected(release)
+                                  if node.split("::")[0] in upstream_files))
     tests = list(dict.fromkeys(fix_tests + upstream))
     if tests:
         report = lane_dir / "patched" / "report.jsonl"
@@ -324,23 +321,6 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
             problems.append(f"v{release} patched: {entries}, but "
                             f"pytest deselected {deselected.group(1) if deselected else 0}: "
                             "an entry names no test of this release")
-    return problems
-
-
-def check_replaced(release: Version, python: Path, stock: Path, patched: Path,
-                   dist_root: Path, replaced: list[str], lane_dir: Path) -> list[str]:
-    """Upstream tests whose expectation a fix changes on purpose (``[[replaces]]``):
-    each must pass on stock (it is upstream's behaviour) and fail patched (the fix
-    changes it; the fix test named in ``by`` checks the new one). They are left out
-    of the patched run of upstream's suites."""
-    problems = []
-    for name, tree, expected in (("stock", stock, "passed"), ("patched", patched, "failed")):
-        report = lane_dir / name / "replaced-report.jsonl"
-        run_pytest(python, tree, dist_root, replaced, [], report)
-        results = outcomes(report)
-        problems += [f"v{release} {name}: {node} {results.get(node, 'did not run')}, but a fix "
-                     f"replaces it: it must be {expected} here"
-                     for node in replaced if results.get(node) != expected]
     return problems
 
 

@@ -14,11 +14,15 @@ regen builds the patches with): making and checking a series writes nothing into
 repository. ``--onto`` then puts the series on the contributor's branch with ``git am``,
 all or nothing (``Checkout.am``).
 
-Everything written is in upstream's words: commit messages and the PR description come
-from the fixes' title, Why, How and ``export.*`` metadata, which never name this
-project or its fix ids (tests/tool/test_export.py checks every fix). The description
-is the base's own pull request template filled in, its checklist ticked where the
-description does what the item asks.
+Everything written is in upstream's words: commit messages come from the fixes'
+title, Why and How, the PR description from their ``export.*`` metadata, which never
+name this project or its fix ids (tests/tool/test_export.py checks every fix). The
+description is the base's own pull request template filled in, short (an overview in
+a line or two, the root cause and design in a few sentences per commit: the full
+reasoning stays in the commit messages), its checklist ticked where the description
+does what the item asks. Its words are those true on the base's release, as
+``Fix.on`` gives them (a timeout up to v0.21, a lease from v0.22). A fix upstream on
+the base is refused; one upstream since a later release is exported as a backport.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from vllm_patches._checkout import Checkout, opened
 from vllm_patches._errors import Refused, UserError
 from vllm_patches._patchset import PatchSet
 from vllm_patches._series import Fix, Series
+from vllm_patches._splice import Overlay
 from vllm_patches._words import count
 
 # Plain `git am` strips the subject's [Bugfix][NIXL] tags along with [PATCH k/n].
@@ -108,6 +113,7 @@ class Export:
     patches: tuple[tuple[str, str], ...]  # (file name, text) as git format-patch writes them
     template: str | None = None  # the base's pull request template, if it has one
     upstream_tests: tuple[str, ...] = ()  # the series' upstream suites the base has
+    amended_tests: tuple[str, ...] = ()  # upstream tests the series changes (test_overlays)
 
     @property
     def applies(self) -> bool:
@@ -116,7 +122,13 @@ class Export:
     def touched(self) -> list[str]:
         """Every path the series may change: the fixes' upstream files and their tests."""
         return sorted({Fix.upstream_path(o) for f in self.fixes for o in f.overlays}
-                      | {test for f in self.fixes for test in f.tests})
+                      | {test for f in self.fixes for test in (*f.tests, *f.test_overlays)})
+
+    @property
+    def backport_of(self) -> Version | None:
+        """The release upstream has had the fix since, when the base predates it: the
+        pull request is then a backport to the base's release."""
+        return self.fix.upstream_since
 
     def summary(self) -> str:
         text = (f"{self.fix.id} for vLLM v{self.release}, on {self.base_text}: "
@@ -159,6 +171,10 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, contributor: C
     """
     wanted = series.with_requirements(fix)
     fixes = tuple(f for f in wanted if f.on(release).needed)
+    if fix.on(release).need is _series.Need.UPSTREAM:
+        raise Refused(f"{fix.id} is upstream on v{release}: vLLM has had it since "
+                      f"v{fix.upstream_since}{f' ({fix.pr})' if fix.pr else ''}; "
+                      "nothing to send")
     if fix not in fixes:
         raise UserError(f"{fix.id} has no patch for v{release}: {fix.on(release)}")
     named = tuple(f"{f.id} {f.on(release)}" for f in wanted if f not in fixes)
@@ -191,7 +207,16 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, contributor: C
         if blocked_by is None:
             patches = commits.patches("-s", *([f"--base={base}"] if upstream_base else []))
     return Export(fix, fixes, named, release, base_text, tuple(steps), tuple(patches),
-                  template, suites)
+                  template, suites, _amended_tests(fixes, release))
+
+
+def _amended_tests(fixes: tuple[Fix, ...], release: Version) -> tuple[str, ...]:
+    """The upstream tests the series' patches change on ``release`` (their fixes'
+    ``test_overlays``), by name."""
+    ids = [f.id for f in fixes]
+    return tuple(definition.name for f in fixes for test in f.test_overlays
+                 for definition in Overlay.parse(fix_test_file(test)).select(ids, release)
+                 if definition.fix == f.id)
 
 
 def _add_fix(commits: _git.Commits, fix: Fix, patch: Path, three_way: bool) -> str | None:
@@ -214,22 +239,48 @@ def _unwrap(text: str) -> str:
     return "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
 
 
+def _words(export: Export, fix: Fix) -> _series.PullRequestText:
+    """What ``fix``'s pull request says on the series' release (``Fix.on`` decides)."""
+    words = fix.on(export.release).words
+    assert words is not None, f"{fix.id} is needed on v{export.release} and has words"
+    return words
+
+
+def upstream_ref(url: str) -> str:
+    """An upstream issue or PR as GitHub links it inside upstream's repository (``#N``)."""
+    prefix = "https://github.com/vllm-project/vllm/"
+    return "#" + url.rsplit("/", 1)[1] if url.startswith(prefix) else url
+
+
 def _overview(export: Export) -> str:
-    """What the series fixes in a line or two, the issue, and where it stands to the
-    upstream PR still open for it."""
+    """What the series fixes in a line or two, the issue it fixes (``Fixes`` only of an
+    issue: a PR is related to), and where it stands to the upstream PR it relates to,
+    or to the release that has it (a backport)."""
     fix = export.fix
-    text = _unwrap(fix.pr_purpose)
-    if fix.bug and fix.bug != fix.pr:
-        text += f" Fixes {fix.bug}"
-    return text + (f"\n\n{_unwrap(fix.pr_relation)}" if fix.pr_relation else "")
+    text = _unwrap(_words(export, fix).purpose)
+    if fix.bug and fix.bug != fix.pr and not _series.is_pull_request(fix.bug):
+        text += f" Fixes {upstream_ref(fix.bug)}."
+    if fix.pr_relation:
+        text += f"\n\n{_unwrap(fix.pr_relation)}"
+    if export.backport_of is not None:
+        pr = f" {upstream_ref(fix.pr)}" if fix.pr else ""
+        text += (f"\n\nBackport to v{export.release} of{pr or ' the fix'}, in vLLM since "
+                 f"v{export.backport_of}.")
+    return text
+
+
+def _full_reasoning(export: Export) -> str:
+    if len(export.fixes) == 1:
+        return "The commit message gives the full reasoning."
+    return "Each commit message gives the full reasoning."
 
 
 def _commits(export: Export) -> str:
     if len(export.fixes) == 1:
-        return "The commit message says why and how."
+        return _full_reasoning(export)
     commits = "\n".join(f"{n}. {f.title}" for n, f in enumerate(export.fixes, start=1))
     return (f"{len(export.fixes)} commits, each with its tests and built on the ones before "
-            f"it; each message says why and how:\n\n{commits}")
+            f"it:\n\n{commits}\n\n{_full_reasoning(export)}")
 
 
 def _claims(export: Export) -> str:
@@ -239,45 +290,44 @@ def _claims(export: Export) -> str:
 
 def _test_plan(export: Export) -> str:
     tests = [test for f in export.fixes for test in f.tests]
-    suites = " and the existing " + ", ".join(export.upstream_tests) if export.upstream_tests else ""
     command = "pytest -q " + " \\\n    ".join([*tests, *export.upstream_tests])
-    return (f"The new tests{suites}, on CPU, on {export.base_text}:"
-            f"\n\n```bash\n{command}\n```")
+    return f"On CPU, on {export.base_text}:\n\n```bash\n{command}\n```"
 
 
 def _test_result(export: Export) -> str:
     release, fixes = export.release, export.fixes
     reproducing = sum(len(f.stock_fails) for f in fixes)
-    bugs = "bugs" if len(fixes) > 1 else "bug"
-    result = (f"vLLM v{release} without this change: the {reproducing} tests that reproduce "
-              f"the {bugs} fail. With it: every new test passes.")
-    if export.upstream_tests:
-        skipped = sum(len(f.deselected(release)) for f in fixes)
-        result += (" So does " + ", ".join(f"`{suite}`" for suite in export.upstream_tests)
-                   + (f", but for {skipped} tests that cannot run on CPU offline (a GPU, "
-                      "model weights or the nixl library)" if skipped else "") + ".")
-    parts = [result]
-    for note in (n for f in fixes for n in f.replaces if n.applies(release)):
-        parts.append(f"`{note.node}` expects the old behaviour and fails with this change: "
-                     f"it {note.why}. `{note.by}` tests the new one.")
-    return "\n\n".join(parts)
+    result = (f"Without this change the {reproducing} tests that reproduce the "
+              f"{'bugs' if len(fixes) > 1 else 'bug'} fail on v{release}; with it every "
+              "test passes")
+    skipped = sum(len(f.deselected(release)) for f in fixes) if export.upstream_tests else 0
+    if skipped:
+        result += f" but {skipped} of the existing ones that need a GPU, model weights or nixl"
+    amended = ", ".join(f"`{name}`" for name in export.amended_tests)
+    return result + "." + (f" It updates {amended}, whose expectation it changes (the "
+                           "test's comment says how)." if amended else "")
 
 
-def _details(export: Export) -> str:
-    """Root cause and design of each commit, collapsed: they are its message's Why and How."""
-    blocks = [f"<details>\n<summary>{f.title}</summary>\n\n**Why.** {_unwrap(f.why)}\n\n"
-              f"**How.** {_unwrap(f.how)}\n\n</details>" for f in export.fixes]
-    return "Root cause and design of each commit, as its message gives them:\n\n" + "\n\n".join(
-        blocks)
+def _root_causes(export: Export) -> str:
+    """Root cause and design of each commit in a few sentences: the commit messages hold
+    the full reasoning, which a reviewer reads in the diff."""
+    if len(export.fixes) == 1:
+        return _unwrap(_words(export, export.fix).details)
+    return "\n\n".join(f"**{f.title.rpartition('] ')[2]}.** {_unwrap(_words(export, f).details)}"
+                       for f in export.fixes)
 
 
 def _sections(export: Export) -> dict[str, str]:
     """The text of each section the releases' templates have: Purpose, Test Plan and Test
-    Result up to v0.31; Overview, Claims, Validation and Details from v0.32."""
+    Result up to v0.31; Overview, Claims, Validation and Details from v0.32. What the
+    templates ask for is short (an overview in a line or two): the reasoning a reviewer
+    needs in two minutes is here, the rest stays in the commit messages."""
     plan, result = _test_plan(export), _test_result(export)
-    return {"Purpose": f"{_overview(export)}\n\n{_commits(export)}", "Test Plan": plan,
-            "Test Result": result, "Overview": _overview(export), "Claims": _claims(export),
-            "Validation": f"{plan}\n\n{result}", "Details": _details(export)}
+    overview, causes = _overview(export), _root_causes(export)
+    return {"Purpose": f"{overview}\n\n{causes}\n\n{_commits(export)}", "Test Plan": plan,
+            "Test Result": result, "Overview": overview, "Claims": _claims(export),
+            "Validation": f"{plan}\n\n{result}",
+            "Details": f"{causes}\n\n{_full_reasoning(export)}"}
 
 
 def _template(export: Export) -> str:
@@ -412,6 +462,9 @@ def _onto(series: Series, fix: Fix, release: Version | None, checkout: Checkout,
 def _report(export: Export, output: str | None, to_stdout: bool) -> int:
     """Per-patch lines and what was written; the mbox itself on stdout when ``to_stdout``."""
     lines = [export.summary(), *(f"  {step.line()}" for step in export.steps)]
+    if export.backport_of is not None:
+        lines.append(f"upstream has had {export.fix.id} since v{export.backport_of}: this "
+                     f"PR is a backport to v{export.release}")
     if export.template is None:
         lines.append(f"the base has no {TEMPLATE}: the description has the sections "
                      f"{', '.join(TEMPLATE_SECTIONS)} and no checklist")

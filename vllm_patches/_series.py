@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,12 +54,26 @@ class Need(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PullRequestText:
+    """What the pull request `export` sends says of a fix on a base from ``since`` on
+    (``None``: the fix's first release): its purpose in one or two sentences and its
+    root cause and design in a few. Words that hold on some releases only (a timeout up
+    to v0.21, a lease from v0.22) are a variant that starts where they become true."""
+
+    since: Version | None
+    purpose: str
+    details: str
+
+
+@dataclass(frozen=True)
 class Verdict:
     """``Fix.on``'s answer: the need, and for a fix not needed why (``since v0.24.0``,
-    ``needed on vLLM >=0.19.0, not on v0.18.0``)."""
+    ``needed on vLLM >=0.19.0, not on v0.18.0``); for a needed fix, what its pull
+    request says on that release (``words``)."""
 
     need: Need
     detail: str = ""
+    words: PullRequestText | None = field(default=None, compare=False)
 
     @property
     def needed(self) -> bool:
@@ -77,30 +91,28 @@ class Verdict:
 class UpstreamTestNote:
     """An upstream test a fix's metadata names for some releases, and why:
     ``[[deselect]]`` (left out of the lane runs: the CPU, offline environment fails
-    it), ``[[timing_sensitive]]`` (rerun alone when it fails in a lane) or
-    ``[[replaces]]`` (its expectation is what the fix changes; ``by`` names the fix
-    test that checks the new one; see tools/lanes.py)."""
+    it) or ``[[timing_sensitive]]`` (rerun alone when it fails in a lane; see
+    tools/lanes.py). An upstream test whose expectation the fix changes is no note:
+    the fix amends it (``test_overlays``)."""
 
     node: str
     releases_text: str  # PEP 440 specifier; "" for every release
     why: str
-    by: str = ""
 
     @classmethod
     def load_all(cls, entries: object, path: Path, table: str) -> tuple[UpstreamTestNote, ...]:
         """``[[table]]`` tables: ``node``, ``why``, optional ``releases`` (a PEP 440
-        specifier; every release when absent), and for ``replaces`` ``by``."""
-        keys = {"node", "releases", "why"} | ({"by"} if table == "replaces" else set())
+        specifier; every release when absent)."""
+        keys = {"node", "releases", "why"}
         if not isinstance(entries, list):
             raise TypeError(f"{path}: {table} must be an array of tables ([[{table}]])")
         result = []
         for entry in entries:
-            if not isinstance(entry, dict) or entry.keys() - keys or (
-                    table == "replaces" and "by" not in entry):
+            if not isinstance(entry, dict) or entry.keys() - keys:
                 raise ValueError(f"{path}: {table} entry {entry!r}: keys are "
                                  f"{', '.join(sorted(keys))}")
             result.append(cls(node=entry["node"], releases_text=entry.get("releases", ""),
-                              why=entry["why"].strip(), by=entry.get("by", "")))
+                              why=entry["why"].strip()))
         return tuple(result)
 
     @cached_property
@@ -116,27 +128,46 @@ class UpstreamTestNote:
         return node == self.node or ("[" not in self.node and node.startswith(self.node + "["))
 
 
-def _pull_request_fields(data: dict, path: Path) -> dict[str, str]:
-    """The ``export`` keys of a fix's metadata, checked: ``purpose`` always; ``title``
-    exactly when the fix requires others (a series of several commits needs a title of
-    its own; one commit's is its subject); ``relation`` exactly when ``pr`` names an
-    upstream PR that is still open (no ``upstream_since``)."""
+def is_pull_request(url: str) -> bool:
+    """Whether an upstream link names a pull request (``.../pull/N``), not an issue: a
+    PR description says ``Fixes #N`` only of issues (GitHub closes them on merge)."""
+    return "/pull/" in url
+
+
+def _pull_request_fields(data: dict, path: Path) -> dict[str, object]:
+    """The ``export`` keys of a fix's metadata, checked: ``purpose`` and ``details``
+    always; ``title`` exactly when the fix requires others (a series of several commits
+    needs a title of its own; one commit's is its subject); ``relation`` exactly when
+    ``pr`` names an upstream PR that is still open (no ``upstream_since``) or ``bug``
+    names a PR rather than an issue (a PR is related to, never fixed). ``from``
+    holds variants for bases from a release on: ``export.from."0.22.0".purpose``
+    replaces ``purpose`` on v0.22.0 and later (until a later ``from``)."""
     export = data.get("export", {})
-    unknown = export.keys() - {"title", "purpose", "relation"}
+    unknown = export.keys() - {"title", "purpose", "details", "relation", "from"}
     if unknown:
-        raise ValueError(f"{path}: export keys are purpose, relation, title; not "
-                         f"{', '.join(sorted(unknown))}")
-    if "purpose" not in export:
-        raise ValueError(f"{path}: export.purpose (the PR's purpose, one or two sentences) "
-                         "is missing")
+        raise ValueError(f"{path}: export keys are details, from, purpose, relation, "
+                         f"title; not {', '.join(sorted(unknown))}")
+    for key, what in (("purpose", "the PR's purpose, one or two sentences"),
+                      ("details", "root cause and design, a few sentences")):
+        if key not in export:
+            raise ValueError(f"{path}: export.{key} ({what}) is missing")
     if bool(export.get("title")) != bool(data.get("requires")):
         raise ValueError(f"{path}: export.title is required exactly when the fix requires "
                          "others (the title of their series)")
-    if bool(export.get("relation")) != bool(data["pr"] and not data["upstream_since"]):
+    open_pr = bool(data["pr"] and not data["upstream_since"]) or is_pull_request(data["bug"])
+    if bool(export.get("relation")) != open_pr:
         raise ValueError(f"{path}: export.relation (one line: does the series supersede or "
-                         "complement the open PR `pr` names?) is required exactly when "
-                         "`pr` names an open upstream PR")
-    return {"pr_title": export.get("title", ""), "pr_purpose": export["purpose"].strip(),
+                         "complement the open PR `pr` or `bug` names?) is required exactly "
+                         "when `pr` names an open upstream PR or `bug` names a PR")
+    texts = [PullRequestText(None, export["purpose"].strip(), export["details"].strip())]
+    for since, variant in sorted(export.get("from", {}).items(), key=lambda i: Version(i[0])):
+        if not variant or variant.keys() - {"purpose", "details"}:
+            raise ValueError(f"{path}: export.from.\"{since}\" replaces purpose or details, "
+                             f"not {', '.join(sorted(variant)) or 'nothing'}")
+        texts.append(PullRequestText(Version(since),
+                                     variant.get("purpose", texts[-1].purpose).strip(),
+                                     variant.get("details", texts[-1].details).strip()))
+    return {"pr_title": export.get("title", ""), "pr_texts": tuple(texts),
             "pr_relation": export.get("relation", "").strip()}
 
 
@@ -163,13 +194,17 @@ class Fix:
     upstream_tests: tuple[str, ...]
     deselect: tuple[UpstreamTestNote, ...]
     timing_sensitive: tuple[UpstreamTestNote, ...] = ()
-    replaces: tuple[UpstreamTestNote, ...] = ()
+    # Upstream test modules whose tests the fix changes, amended by overlays at their
+    # upstream paths in this repository (``tests/v1/...``, markers as in the overlays
+    # under vllm_patches/): the fix's patch carries the amended tests.
+    test_overlays: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()  # ids of the fixes this one is built on, applied before it
     # The pull request `export` sends for this fix and what it requires (``export.*``):
-    # its title when that is a series of several commits, its purpose in one or two
-    # sentences, and how it relates to the open upstream PR ``pr`` names, if any.
+    # its title when that is a series of several commits, its purpose and details per
+    # base (``on(release).words``), and how it relates to the open upstream PR ``pr``
+    # names, if any.
     pr_title: str = ""
-    pr_purpose: str = ""
+    pr_texts: tuple[PullRequestText, ...] = ()
     pr_relation: str = ""
 
     @classmethod
@@ -202,7 +237,7 @@ class Fix:
             deselect=UpstreamTestNote.load_all(data.get("deselect", []), path, "deselect"),
             timing_sensitive=UpstreamTestNote.load_all(data.get("timing_sensitive", []), path,
                                                        "timing_sensitive"),
-            replaces=UpstreamTestNote.load_all(data.get("replaces", []), path, "replaces"),
+            test_overlays=tuple(data.get("test_overlays", ())),
             **pull_request,
         )
 
@@ -232,10 +267,6 @@ class Fix:
         """The upstream test node ids left out of ``release``'s lane run."""
         return [entry.node for entry in self.deselect if entry.applies(release)]
 
-    def replaced(self, release: Version) -> list[str]:
-        """The upstream test node ids whose expectation the fix changes on ``release``."""
-        return [entry.node for entry in self.replaces if entry.applies(release)]
-
     def timing_sensitive_on(self, release: Version) -> list[UpstreamTestNote]:
         """The upstream tests of ``release`` whose time limits a loaded machine can miss."""
         return [entry for entry in self.timing_sensitive if entry.applies(release)]
@@ -248,13 +279,15 @@ class Fix:
     def on(self, release: Version) -> Verdict:
         """What the fix is on ``release``: every command and the runtime ask this, and only
         this. Needed from ``releases`` on until ``upstream_since``; whether ``release`` is
-        one the series is verified on is the series' question (``Series.supported``)."""
+        one the series is verified on is the series' question (``Series.supported``).
+        A needed fix's verdict carries what its pull request says on that release."""
         if self.upstream_since is not None and release >= self.upstream_since:
             return Verdict(Need.UPSTREAM, f"since v{self.upstream_since}")
         if release not in self.releases:
             return Verdict(Need.NOT_APPLICABLE,
                            f"needed on vLLM {self.describe_needed()}, not on v{release}")
-        return Verdict(Need.NEEDED)
+        words = [t for t in self.pr_texts if t.since is None or release >= t.since]
+        return Verdict(Need.NEEDED, words=words[-1] if words else None)
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ def test_deselects_say_why_and_name_upstream_tests_of_needed_releases(fix):
     # A fix may change the expectation of another fix's upstream suite (F3 of F2's).
     upstream_files = {test.split("::")[0] for f in FIXES for test in f.upstream_tests}
     needed = [v for v in VERSION_GRID if fix.on(v).needed]
-    for entry in (*fix.deselect, *fix.timing_sensitive, *fix.replaces):
+    for entry in (*fix.deselect, *fix.timing_sensitive):
         assert len(entry.why.split()) >= 3, f"{entry.node}: say why it is listed"
         path, _, name = entry.node.partition("::")
         assert name, f"{entry.node}: deselect test nodes, not whole files"
@@ -168,11 +168,8 @@ def test_deselects_say_why_and_name_upstream_tests_of_needed_releases(fix):
         assert any(v in entry.releases for v in needed), (
             f"{entry.node}: releases {entry.releases} meet none of {fix.id}'s "
             f"{fix.describe_needed()}")
-    for entry in fix.replaces:
-        assert entry.by.split("::")[0] in fix.tests, f"{entry.node}: by= names no test of {fix.id}"
     for version in needed:  # one entry per node and release, so each says one why
-        nodes = [entry.node for entry in (*fix.deselect, *fix.replaces)
-                 if version in entry.releases]
+        nodes = [entry.node for entry in fix.deselect if version in entry.releases]
         assert len(nodes) == len(set(nodes)), f"v{version}: a node deselected twice"
 
 
@@ -256,3 +253,16 @@ def test_one_verdict_in_one_vocabulary():
     assert str(f1.on(Version("0.24.0"))) == "upstream since v0.24.0"
     assert str(f4.on(Version("0.18.1"))) == (
         "not applicable: needed on vLLM >=0.19.0, not on v0.18.1")
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
+def test_an_upstream_test_a_fix_changes_is_amended_never_deselected(fix):
+    """An upstream test whose expectation the fix changes is amended by a test overlay
+    at its upstream path (the fix's patch carries the updated test), of this fix's
+    definitions only; no [[deselect]] leaves an amended test out of a lane."""
+    deselected = {entry.node.partition("[")[0] for f in FIXES for entry in f.deselect}
+    for test in fix.test_overlays:
+        parsed = Overlay.parse(_series.REPO_DIR / test)
+        assert parsed.definitions and parsed.fixes() == {fix.id}, test
+        for definition in parsed.definitions:
+            assert f"{test}::{definition.name}" not in deselected, definition.name
