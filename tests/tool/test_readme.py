@@ -44,11 +44,15 @@ def user_docs() -> str:
 
 def possible_lines(release: Version) -> set[str]:
     """What a process on ``release`` logs: every fix, each single fix and each pair chosen
-    with VLLM_PATCHES_FIXES, each also as already in the source tree (a patched checkout)."""
+    with VLLM_PATCHES_FIXES that holds its requirements, each also as already in the
+    source tree (a patched checkout)."""
     ids = [fix.id for fix in SERIES.fixes]
     choices = [ids, *([i] for i in ids), *([a, b] for a in ids for b in ids if a < b)]
     lines = set()
+    requirements = {fix.id: set(fix.requires) for fix in SERIES.fixes}
     for chosen in choices:
+        if any(not requirements[i] <= set(chosen) for i in chosen):
+            continue  # refused: a fix without one it requires (test_runtime)
         states = _runtime.plan(SERIES, release, _runtime.selected_ids(
             SERIES, {_runtime.ENV_FIXES: ",".join(chosen)}))
         lines.add(_runtime.Activation(release, states).line())
