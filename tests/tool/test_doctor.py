@@ -143,7 +143,7 @@ def test_a_patch_release_that_differs_is_not_active(v0_33_1, capsys, monkeypatch
                                                  "    def start_load_kv(self, *, extra=None, ", 1)
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
-    assert "  BAD: NOT active on vLLM 0.33.1: F2, F3, F4, F5; vLLM starts without the fixes " \
+    assert "  BAD: NOT active on vLLM 0.33.1: F2, F3, F4, F5, F6; vLLM starts without the fixes " \
            "(VLLM_PATCHES_STRICT=1 stops it instead). Why: vLLM v0.33.1 is not a covered " \
            "release, and its code differs from v0.33.0's at " \
            f"{overlay}:NixlPullConnectorWorker.start_load_kv (F2: changed);" in out
