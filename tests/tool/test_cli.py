@@ -128,7 +128,9 @@ def test_a_half_applied_series_is_finished_by_apply_and_undone_by_revert(checkou
     git(checkout, "am", "--quiet", "--keep-non-patch", str(first), str(second))
     code, out, _ = run(capsys, "status", str(checkout))
     assert code == EXIT_OK
-    assert out.count(" applied") == 2 and out.count("applicable") == len(rest)
+    # F6 is not applicable on RELEASE (heartbeats start at v0.22): "not applicable".
+    applicable = out.count("applicable") - out.count("not applicable")
+    assert out.count(" applied") == 2 and applicable == len(rest)
     code, out, _ = run(capsys, "revert", "--check", str(checkout))
     assert code == EXIT_OK and "F1, F2 reverts cleanly" in out
     code, out, _ = run(capsys, "apply", str(checkout))

