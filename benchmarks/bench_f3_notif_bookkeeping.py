@@ -81,6 +81,10 @@ def main() -> int:
         ratio = medians["patched"] / medians["stock"]
         print(f"{staged:>6} {medians['stock'] / 1000:>8.1f} {medians['patched'] / 1000:>8.1f} "
               f"{ratio:>13.3f}")
+        # Each round's own ratio: stock and patched ran back to back in it.
+        rounds = [p["median_ns"] / s["median_ns"]
+                  for s, p in zip(results["stock"], results["patched"])]
+        print(f"{'':>6} rounds: {' '.join(f'{r:.3f}' for r in rounds)}")
     print("goal: patched/stock <= 1.10 with 8192 staged")
     return 0
 

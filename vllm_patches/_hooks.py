@@ -5,8 +5,8 @@ A hook hooks a new method of an amended class into an upstream method of that cl
 change of the upstream method is written, for both ways the fixes reach vLLM:
 
 - the static splice (``_splice``) asks the kind to rewrite the upstream method's libcst
-  (``HookKind.splice``, or, for the call rewrites, ``rewrite_call`` per call, all of a
-  method's in one pass: ``filter_calls``);
+  (``HookKind.splice``, or, for the call rewrites, ``rewrite_call`` per call or, for a
+  branch guard, ``guard`` per branch, all of a method's in one pass: ``filter_calls``);
 - the runtime install (``_install``) asks the kind what replaces the live method
   (``HookKind.wrap``: a wrapper that does what the spliced text does) or, for the call
   rewrites, recompiles the live method from its source with the same ``filter_calls``.
@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from vllm_patches._errors import SpliceError
@@ -31,6 +32,7 @@ from vllm_patches._overlay import (
     CALL_AT_END_OF,
     FILTER_CALL_IN,
     FILTER_RESULT_OF,
+    GUARD_BRANCH_IN,
     REDIRECT_CALL_IN,
 )
 
@@ -163,6 +165,10 @@ class CallRewrite(HookKind):
         """``call`` (the callee's call, as earlier hooks left it) rewritten for the hook
         ``hook_call`` (``self.<hook>``)."""
 
+    def hook_call(self, hook: str, parameters: list[str]) -> str:
+        """How the rewritten method names the hook method ``hook``."""
+        return f"self.{hook}"
+
 
 class FilterCallIn(CallRewrite):
     """``@filter_call_in("m", "c")``: ``c(...)`` in ``m`` becomes ``self.<hook>(c(...))``."""
@@ -187,9 +193,39 @@ class RedirectCallIn(CallRewrite):
         return call.with_changes(func=cst.parse_expression(hook_call))
 
 
+class GuardBranchIn(CallRewrite):
+    """``@guard_branch_in("m", "c")``: each ``if`` branch of ``m`` that calls ``c`` as one
+    of its own statements, and ends in ``continue``, starts with
+    ``if not self.<hook>(a, b): continue``; the hook's parameters name variables of ``m``.
+
+    The call itself is left as it is: the branch runs it only when the hook returns true.
+    Guards of several fixes on one branch compose in series order, the later fix's
+    asked first."""
+
+    marker = GUARD_BRANCH_IN
+    takes_result = False
+    replaces_call = False
+
+    def rewrite_call(self, call, hook_call):
+        return call
+
+    def hook_call(self, hook, parameters):
+        return f"self.{hook}({', '.join(parameters)})"
+
+    def guard(self, branch: cst.If, hook_call: str, where: str) -> cst.If:
+        """``branch`` (an ``if`` whose own statements call the callee) guarded by the hook."""
+        body = branch.body
+        last = body.body[-1] if isinstance(body, cst.IndentedBlock) else None
+        if not (isinstance(last, cst.SimpleStatementLine)
+                and isinstance(last.body[-1], cst.Continue)):
+            raise SpliceError(f"{where}: the branch must end in `continue` to be guarded")
+        check = cst.parse_statement(f"if not {hook_call}:\n    continue\n")
+        return branch.with_changes(body=body.with_changes(body=[check, *body.body]))
+
+
 HOOK_KINDS: Mapping[str, ReturnHook | CallRewrite] = {
     kind.marker: kind for kind in (CallAtEndOf(), FilterResultOf(), FilterCallIn(),
-                                   RedirectCallIn())}
+                                   RedirectCallIn(), GuardBranchIn())}
 
 
 # ---------------------------------------------------------------- the libcst rewrites
@@ -280,22 +316,50 @@ class _CallFilter(_OwnScopeTransformer):
     scopes): a redirect sends the call to its hook instead (same arguments), a filter
     wraps it in its hook, in order, the first innermost; a wrapped call that makes its
     line longer than ``line_length`` (when given) is laid out as ruff lays it out, the
-    argument of the outermost hook on a line of its own."""
+    argument of the outermost hook on a line of its own. A guarded callee's call stays;
+    the ``if`` branch it is a statement of starts with its guards (``guarded`` counts
+    those calls)."""
 
     def __init__(self, hooks: dict[str, list[tuple[str, CallRewrite]]], lines: list[str],
                  column: int, positions: Mapping[cst.CSTNode, CodeRange],
-                 line_length: int | None) -> None:
+                 line_length: int | None, where: str) -> None:
         super().__init__()
-        self.hooks = hooks  # callee -> (hook call, kind), in order
+        # callee -> (hook call, kind), in order: the call rewrites, and the guards.
+        self.hooks = {callee: [(h, k) for h, k in each if not isinstance(k, GuardBranchIn)]
+                      for callee, each in hooks.items()}
+        self.guards = {callee: [(h, k) for h, k in each if isinstance(k, GuardBranchIn)]
+                       for callee, each in hooks.items()}
         self.calls: dict[str, int] = dict.fromkeys(hooks, 0)
+        self.guarded: dict[str, int] = dict.fromkeys(hooks, 0)
         self.lines, self.column, self.positions = lines, column, positions
         self.line_length = line_length
+        self.where = where
+
+    def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
+        if self.nested or not isinstance(original.body, cst.IndentedBlock):
+            return updated
+        guarded: dict[str, None] = {}
+        for statement in original.body.body:
+            call = statement.body[0].value if isinstance(statement, cst.SimpleStatementLine) \
+                and isinstance(statement.body[0], cst.Expr) else None
+            callee = cst.Module([]).code_for_node(call.func) \
+                if isinstance(call, cst.Call) else None
+            if callee and self.guards.get(callee):
+                self.guarded[callee] += 1
+                guarded[callee] = None
+        for callee in guarded:  # once per branch, however often it calls the callee
+            for hook_call, kind in self.guards[callee]:
+                assert isinstance(kind, GuardBranchIn)
+                updated = kind.guard(updated, hook_call, self.where)
+        return updated
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         callee = cst.Module([]).code_for_node(original.func)
         if self.nested or callee not in self.hooks:
             return updated
         self.calls[callee] += 1
+        if not self.hooks[callee]:
+            return updated
         wrapped: cst.BaseExpression = updated
         for hook_call, kind in self.hooks[callee]:
             wrapped = kind.rewrite_call(wrapped, hook_call)
@@ -316,48 +380,68 @@ class _CallFilter(_OwnScopeTransformer):
         return self.column + len(line) + added > self.line_length
 
 
-# (upstream class, method) -> the (callee, hook, kind) of its call rewrites
-# (@filter_call_in, @redirect_call_in), in series order: what one rewrite of that method
-# applies.
-CallFilters = dict[tuple[str, str], list[tuple[str, str, CallRewrite]]]
+# (upstream class, method) -> the (callee, hook, kind, hook parameters) of its call
+# rewrites (@filter_call_in, @redirect_call_in, @guard_branch_in), in series order: what
+# one rewrite of that method applies.
+CallFilters = dict[tuple[str, str], list[tuple[str, str, CallRewrite, list[str]]]]
 
 
-def group_call_filters(hooks: Iterable[tuple[str, tuple[str, ...], str]]) -> CallFilters:
-    """The call rewrites of ``hooks`` ((upstream class, hook marker, hook method) in
-    series order) grouped per method, so that each method is rewritten once with all
-    of them: two filters of one callee compose, the earlier fix's innermost."""
+def group_call_filters(hooks: Iterable[tuple[str, tuple[str, ...], str, list[str]]]
+                       ) -> CallFilters:
+    """The call rewrites of ``hooks`` ((upstream class, hook marker, hook method, its
+    parameters after ``self``) in series order) grouped per method, so that each method
+    is rewritten once with all of them: two filters of one callee compose, the earlier
+    fix's innermost."""
     grouped: CallFilters = {}
-    for cls, marker, hook in hooks:
+    for cls, marker, hook, parameters in hooks:
         kind = HOOK_KINDS[marker[0]]
         if isinstance(kind, CallRewrite):
-            grouped.setdefault((cls, marker[1]), []).append((marker[2], hook, kind))
+            grouped.setdefault((cls, marker[1]), []).append((marker[2], hook, kind, parameters))
     return grouped
 
 
-def filter_calls(function: cst.FunctionDef, filters: list[tuple[str, str, bool]], where: str,
+def filter_calls(function: cst.FunctionDef,
+                 filters: list[tuple[str, str, CallRewrite, list[str]]], where: str,
                  column: int = 0, line_length: int | None = None) -> cst.FunctionDef:
     """``function`` with each call ``c(...)`` of a hooked callee in its body rewritten,
-    for each ``(callee, hook, kind)`` of ``filters`` in order: ``self.<hook>(c(...))``
-    (``@filter_call_in``; a later filter of the same callee wraps the earlier:
-    ``self.<h2>(self.<h1>(c(...)))``) or, for a redirect, ``self.<hook>(...)``
-    (``@redirect_call_in``; a redirected callee takes no other hook). The one rewrite
-    of both kinds: the splice and the runtime apply all of a method's with it, in one
-    pass.
+    for each ``(callee, hook, kind, parameters)`` of ``filters`` in order:
+    ``self.<hook>(c(...))`` (``@filter_call_in``; a later filter of the same callee wraps
+    the earlier: ``self.<h2>(self.<h1>(c(...)))``) or, for a redirect, ``self.<hook>(...)``
+    (``@redirect_call_in``; a redirected callee takes no other hook); for a guard
+    (``@guard_branch_in``) the call stays and the ``if`` branch it is a statement of starts
+    with ``if not self.<hook>(<parameters>): continue``. The one rewrite of these kinds:
+    the splice and the runtime apply all of a method's with it, in one pass.
 
     ``column``: where ``function``'s ``def`` starts; with ``line_length`` (the splice:
     the text must pass ruff format), a line that the hooks make too long is split."""
     hooks: dict[str, list[tuple[str, CallRewrite]]] = {}
-    for callee, hook, kind in filters:
-        hooks.setdefault(callee, []).append((f"self.{hook}", kind))
+    variables = _variables(function)
+    for callee, hook, kind, parameters in filters:
+        if isinstance(kind, GuardBranchIn) and (
+                unknown := [name for name in parameters if name not in variables]):
+            raise SpliceError(f"{where}: {function.name.value} has no variable "
+                              f"{', '.join(unknown)}")
+        hooks.setdefault(callee, []).append((kind.hook_call(hook, parameters), kind))
     if shared := [callee for callee, each in hooks.items()
                   if len(each) > 1 and any(kind.replaces_call for _, kind in each)]:
         raise SpliceError(f"{where}: {', '.join(shared)} is redirected and hooked again; "
                           "a redirected call takes no other hook")
     alone = cst.Module(body=[function])
     positions = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
-    rewriter = _CallFilter(hooks, alone.code.splitlines(), column, positions, line_length)
+    rewriter = _CallFilter(hooks, alone.code.splitlines(), column, positions, line_length,
+                           where)
     body = function.body.visit(rewriter)
     if missing := [callee for callee, calls in rewriter.calls.items() if not calls]:
         raise SpliceError(f"{where}: {function.name.value} makes no call of {', '.join(missing)}")
+    if unguarded := [callee for callee, each in rewriter.guards.items()
+                     if each and rewriter.guarded[callee] != rewriter.calls[callee]]:
+        raise SpliceError(f"{where}: {function.name.value} calls {', '.join(unguarded)} "
+                          "other than as a statement of an `if` branch")
     assert isinstance(body, cst.BaseSuite)
     return function.with_changes(body=body)
+
+
+def _variables(function: cst.FunctionDef) -> set[str]:
+    """The names ``function`` mentions (its parameters, its variables): what a guard may
+    pass to its hook."""
+    return {name.value for name in m.findall(function, m.Name())}

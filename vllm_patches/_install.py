@@ -16,10 +16,10 @@ How a fix is installed mirrors the static splice (``_splice``) exactly:
   live class in place; a hook goes on with its kind's own runtime change
   (``_hooks.HOOK_KINDS``, the class that also writes the splice's rewrite):
   ``@call_at_end_of(m)`` and ``@filter_result_of(m)`` wrap upstream ``m``; the
-  ``@filter_call_in(m, c)`` and ``@redirect_call_in(m, c)`` hooks of all fixes recompile
-  upstream ``m`` once from its source with the splice's own rewrite
-  (``_hooks.filter_calls``), in its module, at its file and line, before any wrapper goes
-  on it; an amended module function replaces the module's binding and every same-named
+  ``@filter_call_in(m, c)``, ``@redirect_call_in(m, c)`` and ``@guard_branch_in(m, c)``
+  hooks of all fixes recompile upstream ``m`` once from its source with the splice's own
+  rewrite (``_hooks.filter_calls``), in its module, at its file and line, before any
+  wrapper goes on it; an amended module function replaces the module's binding and every same-named
   binding of it in loaded modules; ``@add`` binds a new name.
 
 What to install comes from the splice's parse (``_splice.Overlay.parse``, libcst): the
@@ -62,8 +62,8 @@ from vllm_patches._overlay import ADD, AMEND, HOOKS
 if TYPE_CHECKING:
     from packaging.version import Version
 
+    from vllm_patches._hooks import CallFilters, CallRewrite
     from vllm_patches._series import Fix
-    from vllm_patches._hooks import CallFilters
 
 # Set on each upstream module that received definitions: fix id -> what was installed.
 INSTALLED_ATTR = "__vllm_patches_installed__"
@@ -560,7 +560,7 @@ def _call_filters(definitions: list[_Definition]) -> CallFilters:
     groups them (``_hooks.group_call_filters``)."""
     from vllm_patches._hooks import group_call_filters
 
-    return group_call_filters((d.name, m.hook, m.name) for d in definitions
+    return group_call_filters((d.name, m.hook, m.name, m.hook_parameters) for d in definitions
                               if d.amends_class for m in d.members if m.hook)
 
 
@@ -611,11 +611,11 @@ def _amend_class(cls: type, partial: type, definition: _Definition,
     return installed
 
 
-def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str]],
+def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str, CallRewrite, list[str]]],
                      fix: str) -> types.FunctionType:
     """Upstream ``cls.<target>`` recompiled from its source with the splice's rewrite of
-    all its ``filters`` (``@filter_call_in``, ``@redirect_call_in``: ``_hooks.filter_calls``), in its module's
-    namespace, at its own file and lines. One recompile per method: the source read is
+    all its ``filters`` (``@filter_call_in``, ``@redirect_call_in``, ``@guard_branch_in``:
+    ``_hooks.filter_calls``), in its module's namespace, at its own file and lines. One recompile per method: the source read is
     the text of the file, so a second recompile would lose the first one's rewrite."""
     import libcst as cst
 

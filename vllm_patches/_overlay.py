@@ -32,7 +32,7 @@ Inside an amended class, the class's own docstring describes the overlay and is
 not spliced; an assignment ``__doc__ = "..."`` (a string literal) replaces the upstream class
 docstring.
 
-Two markers on a new method of an amended class hook it into an upstream method of
+Markers on a new method of an amended class hook it into an upstream method of
 that class, so a fix adds a step without replacing (and copying) a long method:
 
 ``@call_at_end_of("m")``
@@ -59,6 +59,16 @@ that class, so a fix adds a step without replacing (and copying) a long method:
     one such call. For a step that must move elsewhere (F4 defers the pin and the copy
     backend's init until the worker finished CUDA-graph capture). Call filters and
     redirects of one method are one rewrite; a redirected callee takes no filter.
+``@guard_branch_in("m", "logger.error")``
+    Inside upstream ``m`` (not in nested functions), each ``if`` branch that calls
+    ``logger.error`` as one of its own statements, and ends in ``continue``, first runs
+    ``if not self.<hook>(a, b): continue``: the branch's statements run only when the
+    hook returns true; otherwise the hook took the case and the loop goes on. The
+    hook's parameters after ``self`` name variables of ``m`` (``req_id``), which it
+    receives as they are there. It costs nothing where the branch is not taken. For a
+    case upstream's loop already singles out (F3 takes the notifications for requests
+    the NIXL producer does not hold, where upstream logs them as invalid, unless they
+    are late). One rewrite with the call filters and redirects of the method.
 
 Hooks of several fixes on one method compose in series order, the later fix's
 outside.
@@ -113,7 +123,8 @@ CALL_AT_END_OF = "call_at_end_of"
 FILTER_RESULT_OF = "filter_result_of"
 FILTER_CALL_IN = "filter_call_in"
 REDIRECT_CALL_IN = "redirect_call_in"
-HOOKS = {CALL_AT_END_OF, FILTER_RESULT_OF, FILTER_CALL_IN, REDIRECT_CALL_IN}
+GUARD_BRANCH_IN = "guard_branch_in"
+HOOKS = {CALL_AT_END_OF, FILTER_RESULT_OF, FILTER_CALL_IN, REDIRECT_CALL_IN, GUARD_BRANCH_IN}
 
 
 def _hook(kind: str, method: str, call: str | None = None) -> Callable[[Definition], Definition]:
@@ -145,3 +156,10 @@ def redirect_call_in(method: str, call: str) -> Callable[[Definition], Definitio
     """Send each call ``call`` (a dotted callee, ``pin_tensor``) inside upstream ``method``
     to the decorated new method instead, with the same arguments."""
     return _hook(REDIRECT_CALL_IN, method, call)
+
+
+def guard_branch_in(method: str, call: str) -> Callable[[Definition], Definition]:
+    """Ask the decorated new method first, in each ``if`` branch of upstream ``method``
+    that calls ``call`` and ends in ``continue``, whether that branch runs; its
+    parameters name variables of ``method``."""
+    return _hook(GUARD_BRANCH_IN, method, call)

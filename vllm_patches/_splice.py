@@ -476,14 +476,17 @@ def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef
     return cls.with_changes(body=cls.body.with_changes(body=body))
 
 
-def _hooks(definitions: list[OverlayDefinition]) -> Iterable[tuple[str, tuple[str, ...], str]]:
-    """(upstream class, hook marker, hook method) of each hook of ``definitions``, in order."""
+def _hooks(definitions: list[OverlayDefinition]
+           ) -> Iterable[tuple[str, tuple[str, ...], str, list[str]]]:
+    """(upstream class, hook marker, hook method, its parameters after ``self``) of each
+    hook of ``definitions``, in order."""
     for definition in definitions:
         if definition.kind == AMEND and isinstance(definition.node, cst.ClassDef):
             for member in definition.node.body.body:
-                marker = _strip_hook(member)[1]
+                hook, marker = _strip_hook(member)
                 if marker:
-                    yield definition.name, marker, member.name.value  # type: ignore[attr-defined]
+                    assert isinstance(hook, cst.FunctionDef)
+                    yield definition.name, marker, hook.name.value, hook_parameters(hook)
 
 
 def splice(upstream_source: str, definitions: list[OverlayDefinition],

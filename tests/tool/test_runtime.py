@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import dis
 import functools
 import importlib
 import inspect
@@ -329,6 +330,47 @@ def test_call_rewrites_of_one_method_are_all_installed(fake):
 ''')
     fake.install([make_fix("F1", ["core/worker.py"])])
     assert fake.get("core.worker").Worker().notifs(extra=["x"]) == {"a", "x", "z", "r"}
+
+
+GUARDED = '''\
+class Worker:
+    def __init__(self):
+        self.held = {"a"}
+        self.errors = []
+
+    def notifs(self, messages):
+        found = set()
+        for message in messages:
+            if message not in self.held:
+                self.errors.append(message)
+                self.errors.append("logged")
+                continue
+            found.add(message)
+        return found
+'''
+
+
+def test_a_branch_guard_recompiles_the_method_and_asks_the_hook_with_its_variables(fake):
+    fake.module("core.worker", GUARDED)
+    fake.overlay("core/worker.py", '''\
+from vllm_patches._overlay import amend, guard_branch_in
+
+
+@amend("F1", ">=0.18")
+class Worker:
+    @guard_branch_in("notifs", "self.errors.append")
+    def _unless_early(self, message, found):
+        """Takes the messages that name an early request."""
+        return not message.startswith("early") or bool(found)
+''')
+    fake.install([make_fix("F1", ["core/worker.py"])])
+    worker = fake.get("core.worker").Worker()
+    recompiled = fake.get("core.worker").Worker.notifs
+    assert [i.argval for i in dis.get_instructions(recompiled)].count("_unless_early") == 1, \
+        "one guard, however often the branch calls"
+    assert worker.notifs(["early-b", "x", "a", "early-c"]) == {"a"}
+    assert worker.errors == ["x", "logged", "early-c", "logged"], \
+        "taken before the branch ran; the hook saw the loop's own variables"
 
 
 def test_a_call_filter_without_the_call_is_an_error(fake):

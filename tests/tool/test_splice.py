@@ -1,5 +1,6 @@
 """The splice engine on small synthetic modules: what it replaces, adds and keeps."""
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -45,7 +46,7 @@ UPSTREAM = textwrap.dedent('''\
 def write_overlay(tmp_path: Path, body: str) -> Overlay:
     path = tmp_path / "overlay.py"
     path.write_text("from vllm_patches._overlay import add, amend, call_at_end_of, filter_call_in, "
-                    "filter_result_of, redirect_call_in\n"
+                    "filter_result_of, guard_branch_in, redirect_call_in\n"
                     + textwrap.dedent(body))
     return Overlay.parse(path)
 
@@ -312,6 +313,80 @@ def test_redirect_call_in_sends_each_call_to_the_hook_with_its_arguments(tmp_pat
         "in self.agent.poll().items()", "in self._poll_later().items()").replace(
         "found | self.agent.poll(1) | {self.agent.poll2()}",
         "found | self._poll_later(1) | {self._poll2()}")), "nested scopes are left alone"
+
+
+COUNTING = textwrap.dedent('''\
+    class Worker:
+        def notifs(self):
+            found = set()
+            for message in self.agent.poll():
+                name, _, count = message.partition(":")
+                if name not in self.held:
+                    self.unknown += 1
+                    logger.error("unknown %s", name)
+                    continue
+                found.add(name)
+
+            def nested(names):
+                for name in names:
+                    if name:
+                        logger.error("nested %s", name)
+                        continue
+
+            return found
+''')
+
+
+def test_guard_branch_in_asks_the_hook_first_in_the_branch_that_makes_the_call(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @guard_branch_in("notifs", "logger.error")
+            def _unknown_is_error(self, name, message):
+                return True
+
+
+        @amend("F2", ">=0.18")
+        class Worker:
+            @guard_branch_in("notifs", "logger.error")
+            def _taken(self, name):
+                return True
+        ''')
+    result = splice(COUNTING, overlay.select(["F1"], Version("0.21.0")), overlay)
+    assert result.startswith(COUNTING.replace(
+        "            if name not in self.held:\n",
+        "            if name not in self.held:\n"
+        "                if not self._unknown_is_error(name, message):\n"
+        "                    continue\n")), "the call stays; nested scopes are left alone"
+    both = splice(COUNTING, overlay.select(["F1", "F2"], Version("0.21.0")), overlay)
+    assert ("            if name not in self.held:\n"
+            "                if not self._taken(name):\n"
+            "                    continue\n"
+            "                if not self._unknown_is_error(name, message):\n"
+            "                    continue\n"
+            "                self.unknown += 1\n") in both, "the later fix's guard asks first"
+
+
+@pytest.mark.parametrize(("upstream_change", "params", "error"), [
+    (("                continue\n            found", "            found"), "name",
+     "the branch must end in `continue` to be guarded"),
+    (("            found.add(name)\n", "            found.add(name)\n"
+      "            logger.error(\"counted %s\", name)\n"), "name",
+     "notifs calls logger.error other than as a statement of an `if` branch"),
+    (("found = set()", "found = set()"), "name, request", "notifs has no variable request"),
+])
+def test_guard_branch_in_refuses_what_it_cannot_guard(tmp_path, upstream_change, params, error):
+    assert upstream_change[0] in COUNTING
+    overlay = write_overlay(tmp_path, f'''
+        @amend("F1", ">=0.18")
+        class Worker:
+            @guard_branch_in("notifs", "logger.error")
+            def _taken(self, {params}):
+                return True
+        ''')
+    with pytest.raises(SpliceError, match=re.escape(error)):
+        splice(COUNTING.replace(*upstream_change), overlay.select(["F1"], Version("0.21.0")),
+               overlay)
 
 
 @pytest.mark.parametrize(("marker", "target", "params", "error"), [

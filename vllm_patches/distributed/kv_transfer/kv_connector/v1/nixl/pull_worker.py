@@ -25,6 +25,7 @@ from vllm_patches._overlay import (
     call_at_end_of,
     filter_call_in,
     filter_result_of,
+    guard_branch_in,
     redirect_call_in,
 )
 
@@ -125,9 +126,15 @@ class NixlPullConnectorWorker:
 
     @filter_result_of("_get_new_notifs")
     def _release_pulled_siblings(self, notified_req_ids: set[str]) -> set[str]:
-        """Add to the requests ``_get_new_notifs`` releases their parallel-sampling
-        siblings (the KV a decoder pulled is theirs too) and the requests
-        ``start_load_kv`` released when they registered."""
+        """Add to the requests ``_get_new_notifs`` releases those released with them
+        (``_add_released_with_pulls``)."""
+        return self._add_released_with_pulls(notified_req_ids)
+
+    def _add_released_with_pulls(self, notified_req_ids: set[str]) -> set[str]:
+        """Add to the requests upstream's loop in ``_get_new_notifs`` released by
+        their pull their parallel-sampling siblings (the KV a decoder pulled is
+        theirs too) and the requests ``start_load_kv`` released when they
+        registered."""
         # What _get_new_notifs released it released by the notifications
         # _sibling_reads saw: no sibling among them unless those named one.
         if self._siblings_notified:
@@ -183,86 +190,32 @@ class NixlPullConnectorWorker:
 class NixlPullConnectorWorker:
     """F3: stage notifications on arrival, settle them on registration (every layout)."""
 
-    @filter_call_in("_get_new_notifs", "self.nixl_wrapper.get_new_notifs")
-    def _notifs_to_count(
-        self, notifs: dict[str, list[bytes]]
-    ) -> dict[str, list[bytes]]:
-        """Take out of the notifications _get_new_notifs counts those for a request
-        it does not hold at that point: staged until the request registers, or
-        ignored as a repeat of a completed pull (``_notif_not_held``).
+    @guard_branch_in("_get_new_notifs", "logger.error")
+    def _is_late_notif(
+        self, req_id: str, notif: bytes, notified_req_ids: set[str]
+    ) -> bool:
+        """Upstream's loop met a notification for a request it does not hold: whether
+        its branch for those runs (the "Potentially invalid KV blocks" error and,
+        from v0.32, the count of notifications after expiry), which it does for a
+        late one (``is_late``). Any other is taken here (``_notif_not_held``): a
+        repeat of a completed pull (``notified_req_ids``: what the loop released
+        earlier in this call) is ignored, an early one staged.
 
-        Runs after ``_sibling_reads`` (the parallel-sampling hold-back), on what
-        upstream's loop then counts, and replays that loop's count (a held request
-        is released when its count reaches the notifications per request,
-        ``_notifications_per_reader`` of the number each carries), so that a
-        notification after the one that completes its request in the same call
-        is not held, as upstream's loop sees it. Late notifications (``is_late``)
-        and heartbeats pass untouched: upstream's loop logs its error for the
-        former (and, from v0.32, counts them). Notes the requests the loop
-        releases (``_note_pulls``). O(notifications).
+        Runs only where upstream's loop takes that branch: nothing for the
+        notifications of held requests.
         """
-        completed = self._each_completed_by_its_notification(notifs)
-        if completed is not None:
-            self._note_pulls(completed)
-            return notifs
-        counts: dict[str, int] = {}
-        released: set[str] = set()
-        to_count: dict[str, list[bytes]] = {}
-        for agent, messages in notifs.items():
-            to_count[agent] = kept = []
-            for notif in messages:
-                if notif.startswith(b"HB:"):
-                    kept.append(notif)
-                    continue
-                req_id, readers = notif.decode("utf-8").rsplit(":", 1)
-                expected = self._notifications_per_reader(int(readers))
-                if req_id in released or (
-                    req_id not in self._reqs_to_send
-                    and req_id not in self._reqs_to_process
-                ):
-                    if not self._early_notifs.is_late(req_id):
-                        self._notif_not_held(req_id, expected, released)
-                        continue
-                else:
-                    done = self.consumer_notification_counts_by_req.get(req_id, 0)
-                    counts[req_id] = counts.get(req_id, done) + 1
-                    if counts[req_id] == expected:
-                        released.add(req_id)
-                kept.append(notif)
-        self._note_pulls(released)
-        return to_count
+        if self._early_notifs.is_late(req_id):
+            return True
+        expected = self._notifications_per_reader(int(notif.rpartition(b":")[2]))
+        self._notif_not_held(req_id, expected, notified_req_ids)
+        return False
 
-    def _each_completed_by_its_notification(
-        self, notifs: dict[str, list[bytes]]
-    ) -> set[str] | None:
-        """The requests named, when upstream's loop releases every one of them by
-        its single notification here (each held, named once, one notification
-        expected, none counted before); None otherwise.
-
-        The common case on a busy producer, decided with set operations: the
-        replay in ``_notifs_to_count`` costs as much again as upstream's own
-        loop, which doubled the producer's per-step bookkeeping.
-        """
-        parts = [
-            notif.decode("utf-8").rpartition(":")
-            for messages in notifs.values()
-            for notif in messages
-            if not notif.startswith(b"HB:")
-        ]
-        if not parts:
-            return set()
-        if self.consumer_notification_counts_by_req:
-            return None
-        req_ids = {req_id for req_id, _, _ in parts}
-        if len(req_ids) != len(parts) or any(
-            self._notifications_per_reader(int(readers)) != 1
-            for readers in {readers for _, _, readers in parts}
-        ):
-            return None
-        not_sent = req_ids.difference(self._reqs_to_send)
-        if not_sent and not_sent.difference(self._reqs_to_process):
-            return None
-        return req_ids
+    def _release_pulled_siblings(self, notified_req_ids: set[str]) -> set[str]:
+        """F2's filter of what ``_get_new_notifs`` releases, noting first what
+        upstream's loop released: requests whose pull completed (``_note_pulls``),
+        unlike the siblings and the registrations F2 adds to them."""
+        self._note_pulls(notified_req_ids)
+        return self._add_released_with_pulls(notified_req_ids)
 
     def _settle_producer_registrations(self, metadata: NixlConnectorMetadata) -> None:
         """Release what the requests registered by ``start_load_kv`` made releasable.
