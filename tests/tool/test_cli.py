@@ -67,7 +67,7 @@ def test_no_commit_apply_is_seen_by_status_and_undone_by_no_commit_revert(checko
     and `revert --no-commit` refused (uncommitted changes)."""
     code, out, _ = run(capsys, "apply", "--no-commit", str(checkout))
     assert code == EXIT_OK
-    assert "applicable" not in out and out.count("applied, not committed") == len(PATCHES)
+    assert " applicable (0" not in out and out.count("applied, not committed") == len(PATCHES)
     code, out, _ = run(capsys, "status", str(checkout))
     assert code == EXIT_OK and out.count("applied, not committed") == len(PATCHES)
     code, out, _ = run(capsys, "apply", "--no-commit", str(checkout))
@@ -76,7 +76,7 @@ def test_no_commit_apply_is_seen_by_status_and_undone_by_no_commit_revert(checko
     assert code == EXIT_OK, out
     assert git(checkout, "status", "--porcelain") == ""
     code, out, _ = run(capsys, "status", str(checkout))
-    assert out.count("applicable") == len(PATCHES)
+    assert out.count(" applicable (0") == len(PATCHES)
     # The other way round: committed, then reverted in the work tree only.
     assert run(capsys, "apply", str(checkout))[0] == EXIT_OK
     code, out, _ = run(capsys, "revert", "--no-commit", str(checkout))

@@ -23,8 +23,9 @@ from vllm_patches import _releases, _series
 SERIES = _series.load()
 NEWEST = SERIES.newest
 REPO = _series.REPO_DIR
-# What `regen` reads: the package (overlays, metadata, series.toml) and patches/.
-COPIED = ("vllm_patches", "patches", "pyproject.toml")
+# What `regen` reads: the package (overlays, metadata, series.toml), patches/, and the
+# upstream tests the fixes amend (``test_overlays``, under tests/v1).
+COPIED = ("vllm_patches", "patches", "pyproject.toml", "tests/v1")
 
 
 def covered_line(release) -> str:

@@ -114,7 +114,8 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F2": "applied",
                            "F3": "applicable (0003-F3-nixl-early-notification-staging.patch)",
                            "F4": "applied",
-                           "F5": "applicable (0005-F5-nixl-one-read-per-prompt.patch)"}
+                           "F5": "applicable (0005-F5-nixl-one-read-per-prompt.patch)",
+                           "F6": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]
     code, out, _ = run(capsys, "apply", "--fix", "F5,F3", "--check", str(checkout))

@@ -211,9 +211,9 @@ class NixlPullConnectorWorker:
         return False
 
     def _release_pulled_siblings(self, notified_req_ids: set[str]) -> set[str]:
-        """F2's filter of what ``_get_new_notifs`` releases, noting first what
-        upstream's loop released: requests whose pull completed (``_note_pulls``),
-        unlike the siblings and the registrations F2 adds to them."""
+        """The parallel-sampling filter of what ``_get_new_notifs`` releases, noting
+        first what upstream's loop released: requests whose pull completed
+        (``_note_pulls``), unlike the siblings and the registrations the filter adds."""
         self._note_pulls(notified_req_ids)
         return self._add_released_with_pulls(notified_req_ids)
 
