@@ -270,7 +270,11 @@ def test_one_read_per_prompt(mode: str, connector: str) -> None:
     cache lost before a child was admitted (this decoder is kept small so it admits the
     children in waves; v0.32.0 through MultiConnector: the n = 8 reader finished, the
     n = 4 prompt's children took two of its cached blocks, and one n = 8 child read
-    those two again): it moves fewer blocks than the first, never the whole prompt."""
+    those two again). It may be the whole prompt: the clean-clone run of 2026-11-25 at
+    4d02d82 saw READs of [36, 36] descriptors for one prompt there, every block of the
+    first READ evicted before a later wave was admitted. So the check is fewer READs than
+    children, not fewer blocks per later READ (children admitted in waves on a small
+    decoder are issue 27's fault matrix, case a)."""
     run = burst(mode, connector)
     run.check_reached()
     total = 0
@@ -284,9 +288,6 @@ def test_one_read_per_prompt(mode: str, connector: str) -> None:
             assert len(reads) == n, f"{remote}: stock READ n={n} children {len(reads)} times"
             continue
         assert len(reads) < n, f"{remote}: every child of n={n} READ the prompt"
-        first, *later = (event["descs"] for event in reads)
-        assert all(descs < first for descs in later), \
-            f"{remote}: READ in full more than once ({[e['descs'] for e in reads]})"
     assert run.record["transfers"] == total, run.record["transfers"]
 
 
