@@ -11,6 +11,7 @@ never became ready, a NIXL handshake failed), so the run can be retried.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -116,6 +117,12 @@ class Server:
                 name, _, value = line.rpartition(" ")
                 samples[name] = float(value)
         return samples
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group at once, as a crash or an OOM kill does."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def stop(self) -> None:
         """SIGTERM the server's process group (API server, engine core, workers); SIGKILL
@@ -250,12 +257,12 @@ def prompt_tokens(full_blocks: int = PROMPT_FULL_BLOCKS) -> int:
     return full_blocks * block_size() + PROMPT_TAIL_TOKENS
 
 
-def kv_transfer_config(connector: str) -> dict[str, Any]:
+def kv_transfer_config(connector: str, lease: int = NIXL_EXPIRY_S) -> dict[str, Any]:
     """The engines' KV transfer config: ``NixlConnector`` (``kv_both``, KV in host
-    memory, its lease ``NIXL_EXPIRY_S``), itself or as the only child of a
+    memory, its lease ``lease`` seconds), itself or as the only child of a
     ``MultiConnector`` (the setup reported in PR 43509's thread)."""
     nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"kv_lease_duration": NIXL_EXPIRY_S}}
+            "kv_connector_extra_config": {"kv_lease_duration": lease}}
     configs = {"NixlConnector": nixl,
                "MultiConnector": {"kv_connector": "MultiConnector", "kv_role": "kv_both",
                                   "kv_connector_extra_config": {"connectors": [nixl]}}}
@@ -285,7 +292,8 @@ def fixes_env(fixes: str | None) -> dict[str, str]:
 
 
 def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, core: int,
-                connector: str, fixes: str | None = None, **engine_args: Any) -> Server:
+                connector: str, fixes: str | None = None, lease: int = NIXL_EXPIRY_S,
+                **engine_args: Any) -> Server:
     """A NIXL P/D engine (``kv_transfer_config``) whose probe file is its own,
     computing on CPU core ``core`` (vLLM's way to run several CPU engines on one host:
     bound to the same cores, their OpenMP threads spin against each other), with the
@@ -297,7 +305,7 @@ def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, cor
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         # The expiry up to v0.21 (later releases read the lease of kv_transfer_config).
-        "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(NIXL_EXPIRY_S),
+        "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(lease),
         # Host memory over TCP and cross-memory attach, loopback only.
         "UCX_TLS": "tcp,cma",
         "UCX_NET_DEVICES": "lo",
@@ -306,7 +314,7 @@ def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, cor
         **fixes_env(fixes),
     }
     return Server(name, run_dir, port, OPT, env=env, block_size=block_size(), **engine_args,
-                  kv_transfer_config=kv_transfer_config(connector))
+                  kv_transfer_config=kv_transfer_config(connector, lease))
 
 
 def probe_lines(path: Path) -> list[dict[str, Any]]:
@@ -754,8 +762,16 @@ def nixl_load(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def nixl_faults(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """The fault matrix (``faults.py``): a pair through waves, aborts and kills."""
+    import faults
+
+    return faults.run(run_dir, args)
+
+
 SCENARIOS = {"served": served, "f1_cross_group": f1_cross_group, "nixl_pair": nixl_pair,
-             "f3_early_notification": f3_early_notification, "nixl_load": nixl_load}
+             "f3_early_notification": f3_early_notification, "nixl_load": nixl_load,
+             "nixl_faults": nixl_faults}
 
 
 def main() -> int:

@@ -12,7 +12,10 @@ clock on Linux, so the lines of the scheduler and the worker processes compare):
 - scheduler (``Scheduler._update_from_kv_xfer_finished``): ``finished_sending``: the
   requests the workers reported released (the scheduler frees them right after);
 - scheduler (``Scheduler.schedule``): ``step``: KV usage and blocks in use, at each step
-  that schedules work or changes them;
+  that schedules work or changes them; and ``stall``/``stalled``: the one change the
+  probe makes to a scheduler, on request only: a decode leg whose ``kv_transfer_params``
+  carry ``STALL_KEY`` stops the engine core from stepping that many seconds, once, when
+  it first waits (the fault matrix's slow decoder; no other request carries the key);
 - worker (NIXL agent ``get_new_notifs``): ``notifs``: every pull notification as the
   producer's worker reads it, before vLLM (or a fix) interprets it;
 - worker (NIXL agent ``make_prepped_xfer``, ``send_notif``): ``read``/``notif_sent``:
@@ -100,8 +103,11 @@ def _probe_scheduler() -> None:
 
     last_step: dict[str, Any] = {}
 
+    stalled: set[str] = set()
+
     def make_schedule(original: Any) -> Any:
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _stall_for_waiting(self, stalled)
             output = original(self, *args, **kwargs)
             state = {"used_blocks": _used_blocks(self.kv_cache_manager.block_pool),
                      "scheduled": len(output.num_scheduled_tokens),
@@ -118,6 +124,24 @@ def _probe_scheduler() -> None:
     wrap(KVCacheManager, "free", make_free)
     wrap(Scheduler, "_update_from_kv_xfer_finished", make_xfer_finished)
     wrap(Scheduler, "schedule", make_schedule)
+
+
+# A test-only key of a decode leg's kv_transfer_params: the engine core stops stepping
+# this many seconds the first time it schedules with such a request waiting (once per
+# remote request), as a decoder starved of CPU or stuck in a long step does.
+STALL_KEY = "e2e_stall_s"
+
+
+def _stall_for_waiting(scheduler: Any, stalled: set[str]) -> None:
+    for request in list(scheduler.waiting):
+        params = getattr(request, "kv_transfer_params", None) or {}
+        remote = params.get("remote_request_id")
+        if params.get(STALL_KEY) and remote not in stalled:
+            stalled.add(remote)
+            emit("stall", req=request.request_id, remote=remote, s=params[STALL_KEY])
+            time.sleep(params[STALL_KEY])
+            emit("stalled", req=request.request_id, remote=remote)
+            return
 
 
 def _probe_nixl() -> None:
