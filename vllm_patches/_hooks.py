@@ -42,6 +42,12 @@ def hook_parameters(hook: cst.FunctionDef) -> list[str]:
     return [param.name.value for param in hook.params.params[1:]]
 
 
+def _own_parameters(method: cst.FunctionDef) -> set[str]:
+    """The names of ``method``'s parameters."""
+    return {p.name.value for p in (*method.params.posonly_params, *method.params.params,
+                                   *method.params.kwonly_params)}
+
+
 class HookKind(ABC):
     """What every kind says: its marker, and whether the hook takes one argument (what
     upstream computed). ``rewrites_calls``: the kind rewrites calls inside the method
@@ -77,11 +83,12 @@ class ReturnHook(HookKind):
              parameters: list[str]) -> Callable[..., Any]:
         """What replaces the live ``original``: does what ``splice``'s text does."""
 
-    def _returns(self, method: cst.FunctionDef, call: str,
-                 where: str) -> tuple[cst.IndentedBlock, list[cst.BaseStatement], bool]:
+    def _returns(self, method: cst.FunctionDef, call: str, where: str,
+                 extra: list[str] | None = None
+                 ) -> tuple[cst.IndentedBlock, list[cst.BaseStatement], bool]:
         """``method``'s body with its returns rewritten, its statements, and whether it
-        ends in a ``return``."""
-        block = method.body.visit(_ReturnRewriter(self, call, where))
+        ends in a ``return`` (``extra``: names passed after a returned value)."""
+        block = method.body.visit(_ReturnRewriter(self, call, where, extra or []))
         assert isinstance(block, cst.IndentedBlock)
         statements = list(block.body)
         ends_in_return = isinstance(statements[-1], cst.SimpleStatementLine) and any(
@@ -97,9 +104,7 @@ class CallAtEndOf(ReturnHook):
 
     def splice(self, method, hook, where):
         params = hook_parameters(hook)
-        own = {p.name.value for p in (*method.params.posonly_params, *method.params.params,
-                                      *method.params.kwonly_params)}
-        if missing := [p for p in params if p not in own]:
+        if missing := [p for p in params if p not in _own_parameters(method)]:
             raise SpliceError(f"{where}: {method.name.value} has no parameter "
                               f"{', '.join(missing)}")
         call = f"self.{hook.name.value}({', '.join(params)})"
@@ -132,22 +137,49 @@ class CallAtEndOf(ReturnHook):
 
 
 class FilterResultOf(ReturnHook):
-    """``@filter_result_of("m")``: every ``return value`` of ``m`` passes through the hook."""
+    """``@filter_result_of("m")``: every ``return value`` of ``m`` passes through the hook.
+
+    The hook's first parameter after ``self`` takes the value; parameters after it name
+    parameters of ``m``, which it receives too (``return self.<hook>(value, request)``;
+    ``m`` must not rebind them: the runtime passes the arguments ``m`` was called with,
+    as ``@call_at_end_of`` does)."""
 
     marker = FILTER_RESULT_OF
     takes_result = True
 
+    def check(self, parameters, where):
+        if not parameters:
+            raise SpliceError(f"{where}: the hook takes the result first")
+
     def splice(self, method, hook, where):
+        extra = hook_parameters(hook)[1:]
+        if missing := [p for p in extra if p not in _own_parameters(method)]:
+            raise SpliceError(f"{where}: {method.name.value} has no parameter "
+                              f"{', '.join(missing)}")
         block, statements, ends_in_return = self._returns(
-            method, f"self.{hook.name.value}", where)
+            method, f"self.{hook.name.value}", where, extra)
         if not ends_in_return:
             raise SpliceError(f"{where}: {method.name.value} must end in `return value`")
         return method.with_changes(body=block.with_changes(body=statements))
 
+    def live_problem(self, original, parameters):
+        own = inspect.signature(original).parameters
+        if missing := [p for p in parameters[1:] if p not in own]:
+            return f"has no parameter {', '.join(missing)}"
+        return None
+
     def wrap(self, original, hook, parameters):
+        extra = parameters[1:]
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def wrapper(self, *args, **kwargs):
-            return getattr(self, hook)(original(self, *args, **kwargs))
+            result = original(self, *args, **kwargs)
+            if not extra:
+                return getattr(self, hook)(result)
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            return getattr(self, hook)(result, *(bound.arguments[name] for name in extra))
 
         return wrapper
 
@@ -241,14 +273,23 @@ class _Reindent(cst.CSTTransformer):
 
 def _one_argument_per_line(call: cst.Call) -> cst.Call:
     """``f(<multi-line arg>)`` the way ruff formats it: the argument on lines of its own,
-    four spaces deeper, and ``)`` back at the statement's indentation."""
-    (arg,) = call.args
+    four spaces deeper, and ``)`` back at the statement's indentation; with more
+    arguments (``f(<multi-line arg>, b)``), each on its own lines, each with a comma."""
     def line(indent: str) -> cst.ParenthesizedWhitespace:
         return cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(indent))
+    if len(call.args) == 1:
+        (arg,) = call.args
+        return call.with_changes(
+            whitespace_before_args=line("    "),
+            args=[arg.with_changes(value=arg.value.visit(_Reindent()),
+                                   whitespace_after_arg=line(""))])
+    last = len(call.args) - 1
     return call.with_changes(
         whitespace_before_args=line("    "),
-        args=[arg.with_changes(value=arg.value.visit(_Reindent()),
-                               whitespace_after_arg=line(""))])
+        args=[arg.with_changes(
+            value=arg.value.visit(_Reindent()),
+            comma=cst.Comma(whitespace_after=line("" if i == last else "    ")))
+            for i, arg in enumerate(call.args)])
 
 
 class _OwnScopeTransformer(cst.CSTTransformer):
@@ -275,9 +316,9 @@ class _OwnScopeTransformer(cst.CSTTransformer):
 class _ReturnRewriter(_OwnScopeTransformer):
     """Rewrites the ``return`` statements of one function body, not of nested scopes."""
 
-    def __init__(self, kind: ReturnHook, call: str, where: str) -> None:
+    def __init__(self, kind: ReturnHook, call: str, where: str, extra: list[str]) -> None:
         super().__init__()
-        self.kind, self.call, self.where = kind, call, where
+        self.kind, self.call, self.where, self.extra = kind, call, where, extra
 
     def leave_SimpleStatementSuite(self, original, updated):
         if not self.nested and any(isinstance(s, cst.Return) for s in updated.body):
@@ -299,7 +340,7 @@ class _ReturnRewriter(_OwnScopeTransformer):
                 # `return a, b` passes one tuple: `self.hook((a, b))`.
                 result = result.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
             value = cst.parse_expression(f"{self.call}(_)").with_changes(
-                args=[cst.Arg(result)])
+                args=[cst.Arg(result), *(cst.Arg(cst.Name(name)) for name in self.extra)])
             if "\n" in cst.Module([]).code_for_node(result):
                 value = _one_argument_per_line(value)
             return updated.with_changes(body=[*updated.body[:-1], statement.with_changes(

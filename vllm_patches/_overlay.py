@@ -43,7 +43,9 @@ that class, so a fix adds a step without replacing (and copying) a long method:
 ``@filter_result_of("m")``
     Every ``return value`` of upstream ``m`` becomes ``return self.<hook>(value)``:
     the hook takes what ``m`` computed and returns what ``m`` returns. ``m`` must end
-    in a ``return value`` and have no bare ``return``.
+    in a ``return value`` and have no bare ``return``. Parameters of the hook after the
+    value name parameters of ``m``, which it receives too:
+    ``return self.<hook>(value, request)`` (``m`` must not rebind them).
 ``@filter_call_in("m", "self.agent.poll")``
     Inside upstream ``m`` (not in functions nested in it), every call whose callee is
     written ``self.agent.poll`` becomes ``self.<hook>(self.agent.poll(...))``: the hook
@@ -142,7 +144,8 @@ def call_at_end_of(method: str) -> Callable[[Definition], Definition]:
 
 
 def filter_result_of(method: str) -> Callable[[Definition], Definition]:
-    """Pass every value upstream ``method`` returns through the decorated new method."""
+    """Pass every value upstream ``method`` returns through the decorated new method;
+    its parameters after the value name arguments of ``method`` it receives too."""
     return _hook(FILTER_RESULT_OF, method)
 
 

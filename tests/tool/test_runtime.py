@@ -246,6 +246,38 @@ def test_a_later_fix_that_replaces_a_hooked_method_keeps_the_hook(fake):
     assert fake.get("core.worker").Worker().notifs() == {"b", "c"}
 
 
+ANSWERING = '''\
+class Scheduler:
+    def answer(self, request, computed=0):
+        if request:
+            return len(request) - computed, True
+        return 0, False
+'''
+
+ANSWERING_OVERLAY = '''\
+from vllm_patches._overlay import amend, filter_result_of
+
+
+@amend("F1", ">=0.18")
+class Scheduler:
+    @filter_result_of("answer")
+    def _checked(self, answer, request, computed):
+        self.seen = (answer, request, computed)
+        return answer if request != "lapsed" else (0, False)
+'''
+
+
+def test_a_result_filter_receives_the_arguments_its_parameters_name(fake):
+    fake.module("core.scheduler", ANSWERING)
+    fake.overlay("core/scheduler.py", ANSWERING_OVERLAY)
+    fake.install([make_fix("F1", ["core/scheduler.py"])])
+    scheduler = fake.get("core.scheduler").Scheduler()
+    assert scheduler.answer("abc", computed=1) == (2, True)
+    assert scheduler.seen == ((2, True), "abc", 1)
+    assert scheduler.answer("lapsed") == (0, False)
+    assert scheduler.seen == ((6, True), "lapsed", 0), "defaults are passed too"
+
+
 POLLING = '''\
 class Worker:
     def __init__(self):

@@ -210,6 +210,52 @@ def test_filter_result_of_passes_a_bare_tuple_as_one_value(tmp_path):
     assert "        return self._seen((self.done, None))\n" in result
 
 
+ANSWERING = textwrap.dedent('''\
+    class Scheduler:
+        def answer(self, request, computed=0):
+            if request.remote:
+                return request.size - computed, True
+            return (
+                0,
+                False,
+            )
+''')
+
+
+def test_filter_result_of_passes_the_parameters_its_hook_names_after_the_value(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Scheduler:
+            @filter_result_of("answer")
+            def _checked(self, answer, request):
+                return answer
+        ''')
+    result = splice(ANSWERING, overlay.select(["F1"], Version("0.21.0")), overlay)
+    assert "            return self._checked((request.size - computed, True), request)\n" \
+        in result
+    # A value spanning lines: each argument on lines of its own, as ruff lays them out.
+    assert (
+        "        return self._checked(\n"
+        "            (\n"
+        "                0,\n"
+        "                False,\n"
+        "            ),\n"
+        "            request,\n"
+        "        )\n") in result
+
+
+def test_filter_result_of_refuses_a_parameter_the_method_lacks(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Scheduler:
+            @filter_result_of("answer")
+            def _checked(self, answer, params):
+                return answer
+        ''')
+    with pytest.raises(SpliceError, match="answer has no parameter params"):
+        splice(ANSWERING, overlay.select(["F1"], Version("0.21.0")), overlay)
+
+
 POLLING = textwrap.dedent('''\
     class Worker:
         def notifs(self):

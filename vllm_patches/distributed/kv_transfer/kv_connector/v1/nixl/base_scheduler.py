@@ -10,19 +10,34 @@ NIXL consumer (decode) scheduler side, heartbeats (KV leases, from v0.22):
   heartbeats when the first child stops (its KV arrived, or it finished) while
   the others still wait to read; a count of the tracked requests per remote
   request keeps it until the last one stops.
+- F7: a request whose prompt's lease the decoder can no longer vouch for (no
+  heartbeat for it within the producer's extension: a stalled or starved decoder,
+  a long wait before its first one) computes the prompt locally instead of
+  READing blocks the producer may have released. The decoder keeps, by its own
+  clock, the time until which it knows the producer holds each remote prompt's
+  lease; the pull scheduler checks it before a READ (``nixl/pull_scheduler.py``).
 
 From v0.24 ``NixlBaseConnectorScheduler``, shared by the pull and push
 schedulers; v0.22 - v0.23 ``NixlConnectorScheduler`` in ``nixl/scheduler.py``
 (``into=``). Upstream methods are changed through hooks only.
 """
 
+import time
 from collections import Counter
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.utils import EngineId
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import ReqId
-from vllm_patches._overlay import amend, call_at_end_of, filter_call_in
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    ReqId,
+)
+from vllm_patches._overlay import (
+    amend,
+    call_at_end_of,
+    filter_call_in,
+    filter_result_of,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -65,4 +80,82 @@ class NixlBaseConnectorScheduler:
         if holders[key] > 0:
             return None
         del holders[key]
+        return key
+
+
+@amend("F7", ">=0.24.0")
+@amend("F7", ">=0.22.0,<0.24.0", into="scheduler.py", name="NixlConnectorScheduler")
+class NixlBaseConnectorScheduler:
+    """F7: the time until which the decoder can vouch for each prompt's lease."""
+
+    @cached_property
+    def _lease_vouch_window(self) -> float | None:
+        """Seconds after a renewal during which the producer surely holds the lease:
+        its extension (lease * 2 // 3 from when it handles a heartbeat, as the
+        producer computes it) less the heartbeat interval (lease // 6), which covers
+        the heartbeat's transit and the producer's step. The decoder's own lease
+        config is used: the pair is assumed to share it. None (no check, as
+        upstream) when kv_connector_extra_config["recompute_after_lapsed_lease"]
+        is false, or when the lease is too short to leave a window (1 s: the
+        producer's extension is 0). Made on first use, so that schedulers built
+        without __init__ (tests) have it too."""
+        config = getattr(self.vllm_config, "kv_transfer_config", None)
+        if config is not None and not config.get_from_extra_config(
+            "recompute_after_lapsed_lease", True
+        ):
+            return None
+        lease = self._kv_lease_duration
+        window = lease * 2 // 3 - lease // 6
+        return window if window > 0 else None
+
+    @cached_property
+    def _lease_vouched_until(self) -> dict[tuple[EngineId, ReqId], float]:
+        """By (remote engine id, remote request id): the time (this process's
+        perf_counter) until which the producer surely holds that prompt's lease;
+        -inf once a lapse was reported. Set when on_new_request starts tracking the
+        prompt, moved on each time build_connector_meta packages a heartbeat naming
+        it while it has not passed (a lapsed lease is never renewed: the producer
+        may have released the blocks), and dropped with the prompt's heartbeat
+        (_stop_heartbeat, for its last request). O(prompts tracked)."""
+        return {}
+
+    @call_at_end_of("on_new_request")
+    def _start_lease_vouch(self, request: "Request") -> None:
+        """A prompt the decoder starts tracking: the producer holds it for a full
+        extension from now (the proxy forwards the decode request as the prefill
+        finishes; kv_transfer_params carry no producer time to check that by)."""
+        key = self._heartbeat_req_engine.get(request.request_id)
+        if key is None or key in self._lease_vouched_until:
+            return
+        window = self._lease_vouch_window
+        if window is not None:
+            self._lease_vouched_until[key] = time.perf_counter() + window
+
+    @filter_result_of("build_connector_meta")
+    def _renew_lease_vouches(
+        self, meta: NixlConnectorMetadata
+    ) -> NixlConnectorMetadata:
+        """The step's metadata, after moving on the bound of every prompt whose
+        heartbeat it carries and whose bound has not passed. Once per heartbeat
+        interval, one entry per prompt in the heartbeat."""
+        if not meta.heartbeat_by_engine:
+            return meta
+        window = self._lease_vouch_window
+        vouched_until = self._lease_vouched_until
+        now = time.perf_counter()
+        for engine_id, info in meta.heartbeat_by_engine.items():
+            for remote_id in info.req_ids:
+                until = vouched_until.get((engine_id, remote_id))
+                if until is not None and window is not None and now <= until:
+                    vouched_until[(engine_id, remote_id)] = now + window
+        return meta
+
+    @filter_call_in("_stop_heartbeat", "self._heartbeat_req_engine.pop")
+    def _forget_lease_vouch(
+        self, key: tuple[EngineId, ReqId] | None
+    ) -> tuple[EngineId, ReqId] | None:
+        """The prompt whose heartbeat stops (None while another request still needs
+        it) leaves the bounds too."""
+        if key is not None:
+            self._lease_vouched_until.pop(key, None)
         return key

@@ -1,0 +1,172 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""NIXL consumer: no READ of a prompt whose lease may have lapsed on the producer.
+
+From v0.22 (PR 41383) the producer holds a finished prefill's KV blocks under a
+lease, which each heartbeat from the decoder extends to lease * 2 // 3 from when
+the producer handles it. Heartbeats ride the decoder's steps, so a decoder that
+does not step for longer than that (a stall, a starved CPU), or a request whose
+first step comes later than that, lets the lease lapse: the producer releases the
+blocks, and upstream's decoder READs them anyway and serves whatever it read.
+
+These tests drive the scheduler with the NIXL connector's scheduler side under a
+controlled clock (``time.perf_counter`` moved forward, as a stall does) and read
+each step's connector metadata as the decode workers get it. A lease of 30 s: the
+producer's extension is 20 s, the heartbeat interval 5 s, so the decoder vouches
+for a prompt 15 s after it arrived or after a heartbeat named it.
+"""
+
+import time
+
+import pytest
+
+from vllm.v1.request import RequestStatus
+
+from .test_nixl_heartbeat_every_child import (
+    PROMPT_BLOCKS,
+    REMOTE_REQUEST_ID,
+    Decoder,
+)
+from .utils import create_request, create_scheduler, create_vllm_config
+
+pytestmark = pytest.mark.cpu_test
+
+LEASE = {"kv_lease_duration": 30}
+# The producer's extension (20 s) less the heartbeat interval (5 s).
+VOUCHED = 15
+# Steps of a busy decoder: heartbeats go out every other one.
+STEP = 4
+
+
+class Clock:
+    """``time.perf_counter`` as the decoder sees it, moved forward at will."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        real = time.perf_counter
+        self.offset = 0.0
+        monkeypatch.setattr(time, "perf_counter", lambda: real() + self.offset)
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+def remote_prompt(n: int, *, blocker: bool = False, **extra_config) -> tuple:
+    """A decoder with ``n`` requests of one remote prompt waiting (the children of
+    a parallel-sampling request when ``n > 1``), and KV room for all of them. With
+    ``blocker``, a local request takes the room first, so that the remote prompt
+    waits for blocks until it finishes (after 6 steps)."""
+    vllm_config = create_vllm_config(kv_connector_extra_config={**LEASE, **extra_config})
+    block_size = vllm_config.cache_config.block_size
+    scheduler = create_scheduler(vllm_config, num_blocks=1 + n * PROMPT_BLOCKS)
+    num_tokens = int(block_size * (PROMPT_BLOCKS - 0.5))
+    requests = []
+    if blocker:
+        local = create_request(
+            request_id=100, block_size=block_size, num_tokens=num_tokens, max_tokens=6
+        )
+        scheduler.add_request(local)
+        requests.append(local)
+    for i in range(n):
+        child = create_request(
+            request_id=1 + i,
+            block_size=block_size,
+            num_tokens=num_tokens,
+            common_prefix_len=num_tokens,
+            max_tokens=2,
+            do_remote_prefill=True,
+        )
+        assert child.kv_transfer_params is not None
+        child.kv_transfer_params["remote_request_id"] = REMOTE_REQUEST_ID
+        scheduler.add_request(child)
+        requests.append(child)
+    return scheduler, requests
+
+
+def wait_out_blocker(decoder: Decoder, clock: Clock, blocker) -> None:
+    """Steps of a busy decoder, STEP seconds each, until ``blocker`` finished: the
+    remote prompt waits longer than the lease, kept by heartbeats."""
+    renewals = 0
+    while blocker.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        clock.advance(STEP)
+        renewals += decoder.step()
+    assert renewals >= 2, "no heartbeats renewed the prompt while it waited"
+
+
+def read_or_computed(decoder: Decoder, request) -> str:
+    """Step until the decoder decided for ``request``: "read" (a READ of the
+    producer's blocks started) or "computed" (the producer is only notified, as
+    for a full local prefix hit, and the scheduler computes the prompt)."""
+    for _ in range(4):
+        decoder.step()
+        if request.request_id in decoder.loading | decoder.read:
+            assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            return "read"
+        if request.request_id not in decoder.needing:
+            assert request.num_computed_tokens >= request.num_prompt_tokens
+            return "computed"
+    raise AssertionError(f"{request.request_id} neither read nor computed")
+
+
+@pytest.mark.parametrize("lapse", ["stalled", "waited"])
+def test_lapsed_lease_computes_prompt_locally(monkeypatch, lapse):
+    """A decoder that did not step for longer than it can vouch for the lease
+    (stalled: after heartbeats kept it while the prompt waited for blocks; waited:
+    before the prompt's first step) computes the prompt itself."""
+    clock = Clock(monkeypatch)
+    if lapse == "stalled":
+        scheduler, (blocker, request) = remote_prompt(1, blocker=True)
+        decoder = Decoder(scheduler, [blocker, request])
+        wait_out_blocker(decoder, clock, blocker)
+    else:
+        scheduler, (request,) = remote_prompt(1)
+        decoder = Decoder(scheduler, [request])
+    clock.advance(VOUCHED + 1)
+    assert read_or_computed(decoder, request) == "computed", (
+        f"READ of a prompt whose lease may have lapsed ({lapse})"
+    )
+
+
+def test_renewed_lease_still_reads(monkeypatch):
+    """Heartbeats kept the lease while the prompt waited longer than the lease
+    itself: the decoder READs it, as upstream does."""
+    clock = Clock(monkeypatch)
+    scheduler, (blocker, request) = remote_prompt(1, blocker=True)
+    decoder = Decoder(scheduler, [blocker, request])
+    wait_out_blocker(decoder, clock, blocker)
+    clock.advance(STEP)
+    assert read_or_computed(decoder, request) == "read"
+
+
+def test_a_read_within_the_bound_is_upstreams(monkeypatch):
+    """A prompt scheduled just inside the bound is read."""
+    clock = Clock(monkeypatch)
+    scheduler, (request,) = remote_prompt(1)
+    decoder = Decoder(scheduler, [request])
+    clock.advance(VOUCHED - 1)
+    assert read_or_computed(decoder, request) == "read"
+
+
+def test_switched_off_reads_as_upstream(monkeypatch):
+    """recompute_after_lapsed_lease false: the decoder READs whatever the lease."""
+    clock = Clock(monkeypatch)
+    scheduler, (request,) = remote_prompt(1, recompute_after_lapsed_lease=False)
+    decoder = Decoder(scheduler, [request])
+    clock.advance(VOUCHED + 1)
+    assert read_or_computed(decoder, request) == "read"
+
+
+def test_children_read_nothing_after_the_lease_lapsed(monkeypatch):
+    """The children of a parallel-sampling prompt whose lease may have lapsed:
+    none READs it, each computes it or takes it from the local prefix cache, and
+    the producer is notified for each."""
+    clock = Clock(monkeypatch)
+    scheduler, children = remote_prompt(4)
+    decoder = Decoder(scheduler, children)
+    clock.advance(VOUCHED + 1)
+    for _ in range(8):
+        if not decoder.needing:
+            break
+        decoder.step()
+        assert not decoder.loading, "a child READs a prompt whose lease lapsed"
+    assert not decoder.needing, "a child neither read the prompt nor notified"
+    assert not decoder.read

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``.
+
+NIXL consumer (decode) scheduler side, pull mode, KV leases (from v0.22):
+
+- F7: the scheduler's answer to get_num_new_matched_tokens is a READ only while
+  the decoder can vouch for the remote prompt's lease on the producer; past that
+  bound (kept in ``nixl/base_scheduler.py``) it answers 0 external tokens and the
+  prompt is computed locally.
+
+From v0.24 ``NixlPullConnectorScheduler``; v0.22 - v0.23 ``NixlConnectorScheduler``
+in ``nixl/scheduler.py`` (``into=``). Push schedulers (v0.24+) are unchanged.
+"""
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+from vllm_patches._overlay import amend, filter_result_of
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@amend("F7", ">=0.24.0")
+@amend("F7", ">=0.22.0,<0.24.0", into="scheduler.py", name="NixlConnectorScheduler")
+class NixlPullConnectorScheduler:
+    """F7: no READ of a prompt whose lease may have lapsed on the producer."""
+
+    @filter_result_of("get_num_new_matched_tokens")
+    def _unless_lease_lapsed(
+        self, answer: tuple[int, bool], request: "Request"
+    ) -> tuple[int, bool]:
+        """The answer for ``request``, unless it is a READ of a remote prompt whose
+        lease the decoder can no longer vouch for: then 0 external tokens, so that
+        the scheduler computes the prompt locally and update_state_after_alloc takes
+        the path of a full local prefix hit (a receive with no blocks: the worker
+        tells the producer to free the prompt now, and do_remote_prefill is cleared;
+        an abort before that frees it through request_finished). Answers that READ
+        nothing pass unchanged. One WARNING per prompt."""
+        num_tokens, load_async = answer
+        params = request.kv_transfer_params
+        if not load_async or not num_tokens or not params:
+            return answer
+        if not params.get("do_remote_prefill"):
+            return answer
+        key = (params.get("remote_engine_id"), params.get("remote_request_id"))
+        until = self._lease_vouched_until.get(key)
+        if until is None:
+            return answer
+        now = time.perf_counter()
+        if now <= until:
+            return answer
+        if until > -math.inf:
+            logger.warning(
+                "Not reading the KV of remote request %s for request %s: no "
+                "heartbeat renewed its lease on the producer in time (%.1f s past "
+                "what the decoder can vouch for), so the producer may have "
+                "released its blocks. Computing the prompt locally.",
+                key[1],
+                request.request_id,
+                now - until,
+            )
+            self._lease_vouched_until[key] = -math.inf
+        return 0, False
