@@ -91,7 +91,9 @@ class PushPair:
 
 def sample(server: Server, names: tuple[str, ...]) -> dict[str, float]:
     samples = server.metrics()
-    return {name.removeprefix("vllm:"): metric(samples, name) for name in names}
+    # Prometheus names a counter's samples ``<name>_total``.
+    return {name.removeprefix("vllm:"): metric(samples, name) + metric(samples, name + "_total")
+            for name in names}
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -235,7 +237,9 @@ def run(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
                                  limit_s=150),
                             **traffic(pair, "push-warmup")}
         for case in args.get("cases", list(CASES)):
-            record["cases"][case] = {**CASES[case](pair), "t_end": time.monotonic()}
+            decoder_before = sample(pair.decoder, DECODER_METRICS)
+            record["cases"][case] = {"decoder_before": decoder_before, **CASES[case](pair),
+                                     "t_end": time.monotonic()}
         time.sleep(LEASE_S + 1)
         poke(pair.producer)
         poke(pair.producer)
