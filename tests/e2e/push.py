@@ -51,8 +51,10 @@ DECODER_SEATS = 8
 HANG_LIMIT_S = 45
 DECODE_TOKENS = 4
 WRITE_NS = (4, 8)
-# busy: the local request's tokens per child (its children hold every seat meanwhile).
-BUSY_TOKENS = 200
+# busy: the local request's tokens per child (its children hold every seat meanwhile):
+# at 200 they held them 19.6 s in one run and 15.6 s in another, and the lease of the
+# waiting prompt (12 s from its prefill at 3.8 s) ran out in the first only.
+BUSY_TOKENS = 320
 ABORT_AFTER_S = 2.0
 PRODUCER_METRICS = ("vllm:nixl_bytes_transferred_sum", "vllm:nixl_bytes_transferred_count",
                     "vllm:nixl_num_kv_expired_reqs", "vllm:nixl_num_failed_transfers",
