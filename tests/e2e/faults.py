@@ -103,11 +103,13 @@ class Pair:
 
 
 def call(server: Server, payload: dict[str, Any], stream_chunks: int | None = None,
-         disconnect_after_s: float | None = None) -> dict[str, Any]:
+         disconnect_after_s: float | None = None, headers: dict[str, str] | None = None,
+         limit_s: float = CLIENT_LIMIT_S) -> dict[str, Any]:
     """One client call to ``/v1/completions``, never raising: its HTTP status, choices
     (or error text), and seconds. ``stream_chunks``: stream the answer and disconnect
     after that many chunks that carry text; ``disconnect_after_s``: stream and disconnect
-    after that long, whatever arrived. Hung when no answer came within ``CLIENT_LIMIT_S``."""
+    after that long, whatever arrived. Hung when no answer came within ``limit_s``
+    (``CLIENT_LIMIT_S``). ``headers``: more request headers (push mode's ``X-Request-Id``)."""
     temperature = 1.0 if payload.get("n", 1) > 1 else 0.0
     body = {"model": server.model, "temperature": temperature, **payload}
     streaming = stream_chunks is not None or disconnect_after_s is not None
@@ -115,10 +117,10 @@ def call(server: Server, payload: dict[str, Any], stream_chunks: int | None = No
         body["stream"] = True
     started = time.monotonic()
     outcome: dict[str, Any] = {"status": None, "hung": False, "disconnected": False}
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CLIENT_LIMIT_S)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=limit_s)
     try:
         connection.request("POST", "/v1/completions", json.dumps(body),
-                           {"Content-Type": "application/json"})
+                           {"Content-Type": "application/json", **(headers or {})})
         if disconnect_after_s is not None:
             connection.sock.settimeout(disconnect_after_s)
         response = connection.getresponse()

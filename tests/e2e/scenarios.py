@@ -293,11 +293,12 @@ def fixes_env(fixes: str | None) -> dict[str, str]:
 
 def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, core: int,
                 connector: str, fixes: str | None = None, lease: int = NIXL_EXPIRY_S,
-                **engine_args: Any) -> Server:
+                kv_transfer: dict[str, Any] | None = None, **engine_args: Any) -> Server:
     """A NIXL P/D engine (``kv_transfer_config``) whose probe file is its own,
     computing on CPU core ``core`` (vLLM's way to run several CPU engines on one host:
     bound to the same cores, their OpenMP threads spin against each other), with the
-    fixes ``fixes`` chooses (``fixes_env``)."""
+    fixes ``fixes`` chooses (``fixes_env``). ``kv_transfer``, when given, is the KV
+    transfer config in place of ``kv_transfer_config(connector, lease)`` (push mode's)."""
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
         # The worker's main thread (the model's, too) stays on that core (see e2e_probe).
@@ -314,7 +315,7 @@ def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, cor
         **fixes_env(fixes),
     }
     return Server(name, run_dir, port, OPT, env=env, block_size=block_size(), **engine_args,
-                  kv_transfer_config=kv_transfer_config(connector, lease))
+                  kv_transfer_config=kv_transfer or kv_transfer_config(connector, lease))
 
 
 def probe_lines(path: Path) -> list[dict[str, Any]]:
@@ -769,9 +770,16 @@ def nixl_faults(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     return faults.run(run_dir, args)
 
 
+def nixl_push(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """NIXL push mode (``NixlPushConnector``) in a real pair (``push.py``)."""
+    import push
+
+    return push.run(run_dir, args)
+
+
 SCENARIOS = {"served": served, "f1_cross_group": f1_cross_group, "nixl_pair": nixl_pair,
              "f3_early_notification": f3_early_notification, "nixl_load": nixl_load,
-             "nixl_faults": nixl_faults}
+             "nixl_faults": nixl_faults, "nixl_push": nixl_push}
 
 
 def main() -> int:

@@ -152,7 +152,8 @@ def _probe_nixl() -> None:
     def make_get_new_notifs(original: Any) -> Any:
         def get_new_notifs(self: Any) -> Any:
             notifs = original(self)
-            messages = [m.decode() for batch in notifs.values() for m in batch]
+            # errors="replace": push mode's PUSH_REG notifications carry msgpack.
+            messages = [m.decode(errors="replace") for batch in notifs.values() for m in batch]
             if messages:
                 emit("notifs", msgs=messages)
             return notifs
@@ -172,7 +173,8 @@ def _probe_nixl() -> None:
     def make_send_notif(original: Any) -> Any:
         def send_notif(self: Any, remote_agent_name: Any, *args: Any, **kwargs: Any) -> Any:
             notif = kwargs.get("notif_msg", args[0] if args else b"")
-            emit("notif_sent", notif=notif.decode() if isinstance(notif, bytes) else str(notif))
+            emit("notif_sent", notif=notif.decode(errors="replace") if isinstance(notif, bytes)
+                 else str(notif))
             return original(self, remote_agent_name, *args, **kwargs)
         return send_notif
 

@@ -1,0 +1,259 @@
+"""NIXL push mode (``NixlPushConnector``, vLLM v0.24+) in a real pair, stock engines:
+the exploration of issue 28, step 1 (``scenarios.nixl_push`` runs ``run``).
+
+Push mode turns the transfer around: the decoder registers its freshly allocated blocks
+with the producer (a ``PUSH_REG:`` NIXL notification), and the producer WRITEs the
+prompt's KV into them once its own request has finished. Its requests go to both engines
+at once with one ``X-Request-Id``, as upstream's push proxy example
+(``disagg_proxy_pushconnector_demo.py``) sends them: the producer gets ``max_tokens=1``
+and ``do_remote_decode``; the decoder gets ``do_remote_prefill`` with the producer's
+engine id, side-channel host and port, TP/PP sizes and the shared id, and no block ids.
+
+This module drives one pair through the cases that test the issue's reading of the push
+code; it checks nothing and records, per case, the client calls, the producer's WRITEs
+(the probe's ``read`` events with ``op`` WRITE; their notification names the decoder's
+request), the decoder's registrations and heartbeats (its ``notif_sent`` events), the
+producer's NIXL metrics and expiry lines, and both engines' KV usage. Every client call
+is bounded (``HANG_LIMIT_S``): a call without an answer by then counts as hung.
+
+Cases, in the order they run:
+- ``warmup``: one prompt with n=1 through the pair (the NIXL handshakes);
+- ``writes``: one prompt with n=4, then one with n=8, the same n on both legs, on a
+  decoder with seats for all children (they allocate in one step): WRITEs and bytes
+  per prompt;
+- ``mismatch``: the prefill leg with n=1 and the decode leg with n=4;
+- ``late``: a prefill leg with n=4, then, past the producer's lease, its decode leg;
+- ``busy``: a local request with n = ``DECODER_SEQS`` takes every decoder seat for
+  longer than the lease; meanwhile prompt A's legs (n=2) come and A's client leaves after
+  ``ABORT_AFTER_S`` (its children aborted before they were scheduled), and prompt B's legs
+  (n=2) come and B waits (its decoder heartbeats while its children wait for seats).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from faults import call, tokens_of
+from scenarios import Server, log_lines, metric, nixl_server, poke, probe_lines
+
+# A short lease, so that the lease cases fit in a short run (upstream: 480 s). Heartbeats
+# every lease // 6 s.
+LEASE_S = 12
+# The decoder's watchdog over its registrations (``push_registration_timeout``; upstream
+# defaults it to ``decoder_kv_blocks_ttl``, 480 s): short, to see what it does.
+REGISTRATION_TIMEOUT_S = 20
+PRODUCER_SIDE_PORT = 5600
+DECODER_SEATS = 8
+# A decode leg with no answer after this long is hung.
+HANG_LIMIT_S = 45
+DECODE_TOKENS = 4
+WRITE_NS = (4, 8)
+# busy: the local request's tokens per child (its children hold every seat meanwhile):
+# at 200 they held them 19.6 s in one run and 15.6 s in another, and the lease of the
+# waiting prompt (12 s from its prefill at 3.8 s) ran out in the first only.
+BUSY_TOKENS = 320
+ABORT_AFTER_S = 2.0
+PRODUCER_METRICS = ("vllm:nixl_bytes_transferred_sum", "vllm:nixl_bytes_transferred_count",
+                    "vllm:nixl_num_kv_expired_reqs", "vllm:nixl_num_failed_transfers",
+                    "vllm:nixl_num_notifications_after_expiry", "vllm:kv_cache_usage_perc",
+                    "vllm:num_requests_running", "vllm:num_requests_waiting")
+DECODER_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                   "vllm:num_requests_waiting")
+
+
+def push_config(name: str) -> dict[str, Any]:
+    """The KV transfer config of both engines (a fixed engine id: the decoder names the
+    producer's before the producer answers)."""
+    return {"kv_connector": "NixlPushConnector", "kv_role": "kv_both",
+            "kv_buffer_device": "cpu", "engine_id": f"{name}-engine",
+            "kv_connector_extra_config": {
+                "kv_lease_duration": LEASE_S,
+                "push_registration_timeout": REGISTRATION_TIMEOUT_S}}
+
+
+class PushPair:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.producer = nixl_server("producer", run_dir, 8100, PRODUCER_SIDE_PORT, core=0,
+                                    connector="NixlPushConnector", lease=LEASE_S,
+                                    kv_transfer=push_config("producer"))
+        self.decoder = nixl_server("decoder", run_dir, 8200, PRODUCER_SIDE_PORT + 1, core=1,
+                                   connector="NixlPushConnector", lease=LEASE_S,
+                                   kv_transfer=push_config("decoder"),
+                                   max_num_seqs=DECODER_SEATS)
+        self.ready = {"producer_s": round(self.producer.wait_ready(), 1),
+                      "decoder_s": round(self.decoder.wait_ready(), 1)}
+
+    def probe(self, server: Server) -> list[dict[str, Any]]:
+        return probe_lines(self.run_dir / f"{server.name}.probe.jsonl")
+
+
+def sample(server: Server, names: tuple[str, ...]) -> dict[str, float]:
+    samples = server.metrics()
+    # Prometheus names a counter's samples ``<name>_total``.
+    return {name.removeprefix("vllm:"): metric(samples, name) + metric(samples, name + "_total")
+            for name in names}
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: round(after[name] - before[name], 6) for name in after}
+
+
+def prefill_payload(prompt: list[int], n: int) -> dict[str, Any]:
+    return {"prompt": prompt, "n": n, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+
+
+def decode_payload(prompt: list[int], n: int, rid: str, tokens: int) -> dict[str, Any]:
+    return {"prompt": prompt, "n": n, "max_tokens": tokens, "kv_transfer_params": {
+        "do_remote_decode": False, "do_remote_prefill": True,
+        "remote_engine_id": "producer-engine", "remote_host": "127.0.0.1",
+        "remote_port": PRODUCER_SIDE_PORT, "tp_size": 1, "pp_size": 1,
+        "remote_request_id": rid}}
+
+
+def legs(pair: PushPair, rid: str, prompt: list[int], p_n: int, d_n: int,
+         tokens: int = DECODE_TOKENS, **decode_kw: Any) -> dict[str, Any]:
+    """Both legs of one prompt at once, as the push proxy sends them."""
+    headers = {"X-Request-Id": rid}
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(call, pair.producer, prefill_payload(prompt, p_n), headers=headers,
+                        limit_s=HANG_LIMIT_S)
+        d = pool.submit(call, pair.decoder, decode_payload(prompt, d_n, rid, tokens),
+                        headers=headers, **{"limit_s": HANG_LIMIT_S, **decode_kw})
+        prefill_call, decode_call = p.result(), d.result()
+    return {"rid": rid, "p_n": p_n, "d_n": d_n, "prompt_tokens": len(prompt),
+            "t_start": started, "prefill": prefill_call, "decode": decode_call}
+
+
+def traffic(pair: PushPair, rid: str) -> dict[str, Any]:
+    """What the engines' probes and logs show of request ``rid`` (the X-Request-Id):
+    the producer's WRITEs (descriptors, the decoder request each names), the decoder's
+    registrations, the producer's expiry lines and the decoder's watchdog lines."""
+    writes = [{"t": e["t"], "descs": e["descs"], "to": e["notif"]}
+              for e in pair.probe(pair.producer)
+              if e["event"] == "read" and "WRITE" in e["op"] and rid in e["notif"]]
+    registrations = [e["t"] for e in pair.probe(pair.decoder)
+                     if e["event"] == "notif_sent" and e["notif"].startswith("PUSH_REG:")
+                     and rid in e["notif"]]
+    return {
+        "writes": writes,
+        "write_targets": sorted({w["to"] for w in writes}),
+        "registrations_sent": registrations,
+        "expired_lines": [line for line in log_lines(pair.producer, 0,
+                                                      "Releasing expired KV blocks")
+                          if rid in line],
+        "watchdog_lines": [line for line in log_lines(pair.decoder, 0, "timed out after")
+                           if rid in line],
+    }
+
+
+def heartbeats(pair: PushPair, since: float) -> list[dict[str, Any]]:
+    return [{"t": e["t"], "names": e["notif"][3:].split(",")}
+            for e in pair.probe(pair.decoder)
+            if e["event"] == "notif_sent" and e["notif"].startswith("HB:") and e["t"] >= since]
+
+
+# ---------------------------------------------------------------------------- the cases
+
+
+def writes_case(pair: PushPair) -> dict[str, Any]:
+    out = []
+    for i, n in enumerate(WRITE_NS):
+        before = sample(pair.producer, PRODUCER_METRICS)
+        flow = legs(pair, f"push-writes-n{n}", tokens_of(3, 5, 1000 * (i + 1)), n, n)
+        time.sleep(2.0)
+        after = sample(pair.producer, PRODUCER_METRICS)
+        out.append({**flow, "producer_delta": delta(after, before),
+                    **traffic(pair, flow["rid"])})
+    return {"prompts": out}
+
+
+def mismatch_case(pair: PushPair) -> dict[str, Any]:
+    flow = legs(pair, "push-mismatch", tokens_of(2, 9, 5000), 1, 4)
+    time.sleep(2.0)
+    return {**flow, "decoder_after": sample(pair.decoder, DECODER_METRICS),
+            **traffic(pair, flow["rid"])}
+
+
+def late_case(pair: PushPair) -> dict[str, Any]:
+    rid, prompt = "push-late", tokens_of(2, 7, 6000)
+    started = time.monotonic()
+    prefill_call = call(pair.producer, prefill_payload(prompt, 4),
+                        headers={"X-Request-Id": rid}, limit_s=HANG_LIMIT_S)
+    time.sleep(LEASE_S + 2)
+    poke(pair.producer)
+    poke(pair.producer)
+    usage_before_decode = sample(pair.producer, PRODUCER_METRICS)
+    decode_call = call(pair.decoder, decode_payload(prompt, 4, rid, DECODE_TOKENS),
+                       headers={"X-Request-Id": rid}, limit_s=HANG_LIMIT_S)
+    time.sleep(2.0)
+    return {"rid": rid, "t_start": started, "prefill": prefill_call,
+            "producer_before_decode": usage_before_decode, "decode": decode_call,
+            "decoder_after": sample(pair.decoder, DECODER_METRICS), **traffic(pair, rid)}
+
+
+def busy_case(pair: PushPair) -> dict[str, Any]:
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(call, pair.decoder, {"prompt": tokens_of(1, 3, 7000),
+                                                "n": DECODER_SEATS,
+                                                "max_tokens": BUSY_TOKENS},
+                           limit_s=4 * HANG_LIMIT_S)
+        time.sleep(1.0)
+        before_a = sample(pair.producer, PRODUCER_METRICS)
+        aborted = legs(pair, "push-abort", tokens_of(2, 3, 8000), 2, 2,
+                       disconnect_after_s=ABORT_AFTER_S)
+        poke(pair.producer)
+        after_a = sample(pair.producer, PRODUCER_METRICS)
+        waited = pool.submit(legs, pair, "push-wait", tokens_of(2, 5, 9000), 2, 2,
+                             limit_s=HANG_LIMIT_S + 60)
+        busy_call = busy.result()
+        t_busy_done = time.monotonic()
+        waited_flow = waited.result()
+    time.sleep(2.0)
+    return {"t_start": started, "busy": busy_call, "t_busy_done": t_busy_done,
+            "producer_before_abort": before_a, "producer_after_abort": after_a,
+            "aborted": {**aborted, **traffic(pair, "push-abort")},
+            "waited": {**waited_flow, **traffic(pair, "push-wait")},
+            "heartbeats": heartbeats(pair, started),
+            "decoder_after": sample(pair.decoder, DECODER_METRICS)}
+
+
+CASES = {"writes": writes_case, "mismatch": mismatch_case, "late": late_case,
+         "busy": busy_case}
+
+
+def run(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """Every case of ``args["cases"]`` (all by default) in order on one pair."""
+    pair = PushPair(run_dir)
+    record: dict[str, Any] = {"lease_s": LEASE_S, "registration_timeout_s":
+                              REGISTRATION_TIMEOUT_S, "ready": pair.ready, "cases": {}}
+    try:
+        record["warmup"] = {**legs(pair, "push-warmup", tokens_of(1, 4, 900), 1, 1, 2,
+                                 limit_s=150),
+                            **traffic(pair, "push-warmup")}
+        for case in args.get("cases", list(CASES)):
+            decoder_before = sample(pair.decoder, DECODER_METRICS)
+            record["cases"][case] = {"decoder_before": decoder_before, **CASES[case](pair),
+                                     "t_end": time.monotonic()}
+        time.sleep(LEASE_S + 1)
+        poke(pair.producer)
+        poke(pair.producer)
+        record["final_producer"] = sample(pair.producer, PRODUCER_METRICS)
+        record["final_decoder"] = sample(pair.decoder, DECODER_METRICS)
+    finally:
+        for server in (pair.producer, pair.decoder):
+            server.stop()
+    for name, server in (("producer", pair.producer), ("decoder", pair.decoder)):
+        record[f"{name}_lines"] = {
+            needle: log_lines(server, 0, needle)
+            for needle in ("KV Transfer metrics", "Releasing expired KV blocks",
+                           "timed out after", "Unrecognized request", "KV load failure",
+                           "nixl-push-writer error", "No local blocks", "Traceback")}
+    return record
