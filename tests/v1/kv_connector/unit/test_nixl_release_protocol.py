@@ -49,6 +49,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
@@ -150,9 +151,10 @@ class Prompt:
 
     def done_at(self) -> float | None:
         """When its last child stopped needing it (None while one needs it)."""
-        if self.admitted_at is None or any(c.done_at is None for c in self.children):
+        done = [c.done_at for c in self.children if c.done_at is not None]
+        if self.admitted_at is None or len(done) < len(self.children):
             return None
-        return max(c.done_at for c in self.children)
+        return max(done)
 
 
 def parent_id(k: int) -> str:
