@@ -264,9 +264,15 @@ def producer_factory(monkeypatch) -> Iterator[Callable[..., Producer]]:
         if getattr(module, "time", None) is time:
             monkeypatch.setattr(module, "time", clock)
     connectors: list[Any] = []
+    # One config per extra config: building one costs more than the worker, and
+    # model-based tests build a producer per example.
+    configs: dict[str, Any] = {}
 
     def make(**extra_config: Any) -> Producer:
-        vllm_config = create_vllm_config(kv_connector_extra_config=extra_config)
+        key = repr(sorted(extra_config.items()))
+        if key not in configs:
+            configs[key] = create_vllm_config(kv_connector_extra_config=extra_config)
+        vllm_config = configs[key]
         with set_current_vllm_config(vllm_config):
             connector = connector_module().NixlConnector(
                 vllm_config,
