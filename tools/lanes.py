@@ -248,7 +248,11 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
     problems: list[str] = []
     if not fixes:
         log(f"v{release}: no fix applies ({'; '.join(f'{f.id} {f.on(release)}' for f in series.fixes)})")
-    fix_tests = [t for fix in fixes for t in fix.tests]
+    # The fixes' tests, and the series' own where they apply: each with what must fail
+    # on stock (``expectations``: fixes and the series' tests alike).
+    whole = series.series_tests
+    expectations = [*fixes, *([whole] if whole.applies(release) else [])]
+    fix_tests = [t for expected in expectations for t in expected.tests]
     # Where a fix is upstream, its bug reproductions must pass on stock: proof of "upstream".
     landed = [fix for fix in series.fixes if fix.on(release).need is _series.Need.UPSTREAM]
     landed_nodes = [node for fix in landed for node in fix.stock_fails]
@@ -282,12 +286,12 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
         report = lane_dir / "stock" / "report.jsonl"
         run_pytest(python, stock, dist_root, fix_tests, [], report, runtime="off")
         results = outcomes(report)
-        for fix in fixes:
-            expected_fail = set(fix.stock_fails)
+        for expected in expectations:
+            expected_fail = set(expected.stock_fails)
             for node in expected_fail - results.keys():
                 problems.append(f"v{release} stock: {node} did not run")
             for node, outcome in results.items():
-                if not any(node.startswith(t) for t in fix.tests):
+                if not any(node.startswith(t) for t in expected.tests):
                     continue
                 if node in expected_fail and outcome != "failed":
                     problems.append(f"v{release} stock: {node} {outcome}, but it must fail (bug not reproduced)")
@@ -295,7 +299,8 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
                     problems.append(f"v{release} stock: {node} failed, but it checks kept behaviour")
 
     if fix_tests:
-        problems += run_runtime_mode(release, python, stock, dist_root, fixes, lane_dir)
+        problems += run_runtime_mode(release, python, stock, dist_root, fixes, fix_tests,
+                                     lane_dir)
 
     upstream = [] if skip_upstream else [
         t for fix in fixes for t in fix.upstream_tests if (patched / t.split("::")[0]).exists()]
@@ -352,12 +357,12 @@ def rerun_timing_sensitive(python: Path, tree: Path, dist_root: Path, failed: li
 
 
 def run_runtime_mode(release: Version, python: Path, stock: Path, dist_root: Path,
-                     fixes: list[_series.Fix], lane_dir: Path) -> list[str]:
-    """The fix tests on the stock tree, the fixes activated through vLLM's plugin loader."""
+                     fixes: list[_series.Fix], fix_tests: list[str],
+                     lane_dir: Path) -> list[str]:
+    """``fix_tests`` on the stock tree, ``fixes`` activated through vLLM's plugin loader."""
     report = lane_dir / "runtime" / "report.jsonl"
     report.parent.mkdir(parents=True, exist_ok=True)
     report.with_suffix(".activation").unlink(missing_ok=True)
-    fix_tests = [t for fix in fixes for t in fix.tests]
     code, _ = run_pytest(python, stock, dist_root, fix_tests, [], report, runtime="on")
     problems = []
     failed = [n for n, o in outcomes(report).items() if o == "failed"] if report.exists() else []

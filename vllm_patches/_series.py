@@ -292,6 +292,22 @@ class Fix:
 
 
 @dataclass(frozen=True)
+class SeriesTests:
+    """Tests that no single fix makes pass: a protocol several fixes keep together (the
+    NIXL release protocol: F2 on the producer, F6 on the decoder). The lanes run them
+    as they run a fix's tests on the releases in ``releases_text`` (``stock_fails`` fail
+    on stock; every test passes patched and through the runtime plugin); ``export``
+    never sends them, since a fix exported alone could not pass them."""
+
+    tests: tuple[str, ...] = ()
+    stock_fails: tuple[str, ...] = ()
+    releases_text: str = ""
+
+    def applies(self, release: Version) -> bool:
+        return bool(self.tests) and release in specifier_set(self.releases_text)
+
+
+@dataclass(frozen=True)
 class Series:
     fixes: tuple[Fix, ...]
     # Covered releases whose tests CI runs (tools/lanes.py); the first is the default.
@@ -300,6 +316,8 @@ class Series:
     # Every release patches/ holds a directory for, oldest first (lanes included). Its
     # last entry is the newest release the series is verified on, written only there.
     covered: tuple[Version, ...] = ()
+    # Tests of the series as a whole (``[series_tests]`` in series.toml).
+    series_tests: SeriesTests = SeriesTests()
 
     @property
     def default_release(self) -> Version:
@@ -364,4 +382,8 @@ def load() -> Series:
     lanes = tuple(Version(r) for r in data["lanes"])
     if covered and covered[-1] not in lanes:
         lanes += (covered[-1],)
-    return Series(fixes=fixes, lanes=lanes, covered=covered)
+    whole = data.get("series_tests", {})
+    series_tests = SeriesTests(tests=tuple(whole.get("tests", ())),
+                               stock_fails=tuple(whole.get("stock_fails", ())),
+                               releases_text=whole.get("releases", ""))
+    return Series(fixes=fixes, lanes=lanes, covered=covered, series_tests=series_tests)

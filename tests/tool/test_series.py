@@ -56,6 +56,20 @@ def test_fix_tests_exist_and_stock_fails_name_them(fix):
         assert node.split("::")[0] in fix.tests
 
 
+def test_series_tests_exist_belong_to_no_fix_and_apply_on_a_lane():
+    """Tests of the series as a whole (series.toml ``[series_tests]``): files of
+    tests/v1, each ``stock_fails`` node one of them, none listed by a fix (a fix's
+    tests travel with its export; these must not), and a lane runs them."""
+    whole = _series.load().series_tests
+    for test in (*whole.tests, *whole.stock_fails):
+        path = test.split("::")[0]
+        assert (REPO / path).is_file(), test
+        assert path.startswith("tests/v1/") and Path(path).name.startswith("test_")
+    assert whole.stock_fails and all(n.split("::")[0] in whole.tests for n in whole.stock_fails)
+    assert not {t for fix in FIXES for t in fix.tests} & set(whole.tests)
+    assert any(whole.applies(lane) for lane in _series.load().lanes)
+
+
 @pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
 def test_every_listed_overlay_holds_definitions_of_the_fix(fix):
     for overlay in fix.overlays:
