@@ -99,7 +99,8 @@ class NixlBaseConnectorScheduler:
         is false, or when the lease is too short to leave a window (1 s: the
         producer's extension is 0). Made on first use, so that schedulers built
         without __init__ (tests) have it too."""
-        config = getattr(self.vllm_config, "kv_transfer_config", None)
+        vllm_config = getattr(self, "vllm_config", None)
+        config = getattr(vllm_config, "kv_transfer_config", None)
         if config is not None and not config.get_from_extra_config(
             "recompute_after_lapsed_lease", True
         ):
