@@ -178,19 +178,7 @@ def test_prompt_nobody_decodes_is_released_by_lease(mode: str, connector: str) -
     assert run.record["shared_past_lease"]["usage"] == 0.0
 
 
-def lapsed_lease_runs() -> list:
-    """RUNS, the fixed ones expected to fail while no fix of the series reads a lapsed
-    lease as one (the stock failure of case b is what F7 fixes)."""
-    from vllm_patches import _series
-
-    if any(fix.id == "F7" for fix in _series.load().fixes):
-        return RUNS
-    gap = pytest.mark.xfail(strict=True, reason="no fix of the series yet: a decoder "
-                            "READs a prompt whose lease lapsed (F7)")
-    return [pytest.param(*run, marks=gap) if run[0] == "fixed" else run for run in RUNS]
-
-
-@pytest.mark.parametrize(("mode", "connector"), lapsed_lease_runs())
+@pytest.mark.parametrize(("mode", "connector"), RUNS)
 def test_decoder_stalled_past_the_lease_never_serves_released_blocks(mode: str,
                                                                      connector: str) -> None:
     """Case b. The decoder's engine core does not step for longer than the lease while
