@@ -55,7 +55,9 @@ def remote_prompt(n: int, *, blocker: bool = False, **extra_config) -> tuple:
     a parallel-sampling request when ``n > 1``), and KV room for all of them. With
     ``blocker``, a local request takes the room first, so that the remote prompt
     waits for blocks until it finishes (after 6 steps)."""
-    vllm_config = create_vllm_config(kv_connector_extra_config={**LEASE, **extra_config})
+    vllm_config = create_vllm_config(
+        kv_connector_extra_config={**LEASE, **extra_config}
+    )
     block_size = vllm_config.cache_config.block_size
     scheduler = create_scheduler(vllm_config, num_blocks=1 + n * PROMPT_BLOCKS)
     num_tokens = int(block_size * (PROMPT_BLOCKS - 0.5))

@@ -45,7 +45,10 @@ class NixlPullConnectorScheduler:
             return answer
         if not params.get("do_remote_prefill"):
             return answer
-        key = (params.get("remote_engine_id"), params.get("remote_request_id"))
+        key = (
+            str(params.get("remote_engine_id")),
+            str(params.get("remote_request_id")),
+        )
         until = self._lease_vouched_until.get(key)
         if until is None:
             return answer
