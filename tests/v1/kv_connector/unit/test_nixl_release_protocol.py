@@ -496,9 +496,11 @@ def test_release_protocol(make_producer, monkeypatch):
     strict=True,
     raises=AssertionError,
     reason=(
-        "not fixed: heartbeats ride on the decoder's steps, so a decoder step "
-        "longer than the producer's lease extension renews nothing and the "
-        "producer frees the prompt under a READ in flight"
+        "not fixed (docs/real-engine-lane.md, 'What the leases still cannot "
+        "promise'): heartbeats ride on the decoder's steps, so a decoder step "
+        "longer than the producer's lease extension renews nothing, and the "
+        "producer, which cannot see a one-sided READ, frees the prompt under one "
+        "still in flight"
     ),
 )
 def test_decoder_step_longer_than_the_lease(make_producer, monkeypatch):
