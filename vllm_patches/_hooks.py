@@ -120,17 +120,12 @@ class CallAtEndOf(ReturnHook):
         return None
 
     def wrap(self, original, hook, parameters):
-        signature = inspect.signature(original)
+        arguments = _arguments_named(original, parameters)
 
         @functools.wraps(original)
         def wrapper(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            if parameters:
-                bound = signature.bind(self, *args, **kwargs)
-                bound.apply_defaults()
-                getattr(self, hook)(*(bound.arguments[name] for name in parameters))
-            else:
-                getattr(self, hook)()
+            getattr(self, hook)(*arguments(args, kwargs))
             return result
 
         return wrapper
@@ -169,19 +164,46 @@ class FilterResultOf(ReturnHook):
         return None
 
     def wrap(self, original, hook, parameters):
-        extra = parameters[1:]
-        signature = inspect.signature(original)
+        arguments = _arguments_named(original, parameters[1:])
 
         @functools.wraps(original)
         def wrapper(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            if not extra:
-                return getattr(self, hook)(result)
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            return getattr(self, hook)(result, *(bound.arguments[name] for name in extra))
+            return getattr(self, hook)(result, *arguments(args, kwargs))
 
         return wrapper
+
+
+def _arguments_named(
+    method: Callable[..., Any], names: list[str]
+) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]:
+    """What a runtime hook receives of the arguments ``method`` was called with: the
+    values of its parameters ``names``, passed by position or keyword or left to their
+    defaults. Positions and defaults are read once, when the hook is installed, not
+    per call: the hooked methods run every engine step, some once per request
+    (``inspect.Signature.bind`` costs microseconds a call)."""
+    if not names:
+        return lambda args, kwargs: ()
+    parameters = list(inspect.signature(method).parameters.values())[1:]  # no self
+    positions = {p.name: i for i, p in enumerate(parameters)
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    defaults = {p.name: p.default for p in parameters}
+    wanted = [(name, positions.get(name), defaults[name]) for name in names]
+
+    def arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        values = []
+        for name, position, default in wanted:
+            if position is not None and position < len(args):
+                values.append(args[position])
+            elif name in kwargs:
+                values.append(kwargs[name])
+            elif default is not inspect.Parameter.empty:
+                values.append(default)
+            else:
+                raise TypeError(f"{method.__qualname__}() missing argument {name!r}")
+        return tuple(values)
+
+    return arguments
 
 
 class CallRewrite(HookKind):

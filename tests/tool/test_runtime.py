@@ -276,6 +276,8 @@ def test_a_result_filter_receives_the_arguments_its_parameters_name(fake):
     assert scheduler.seen == ((2, True), "abc", 1)
     assert scheduler.answer("lapsed") == (0, False)
     assert scheduler.seen == ((6, True), "lapsed", 0), "defaults are passed too"
+    assert scheduler.answer(computed=2, request="abcd") == (2, True)
+    assert scheduler.seen == ((2, True), "abcd", 2), "keywords in any order"
 
 
 POLLING = '''\
