@@ -5,8 +5,10 @@
 NIXL push mode (v0.24+), decoder scheduler side:
 
 - F9: a registration that the watchdog gives up on (``push_registration_timeout``)
-  is a failed receive: ``build_connector_meta`` names it in the step's metadata
-  (``push_expired_registrations``, ``nixl/metadata.py``) and the push workers
+  is a failed receive: the step's metadata names it (``push_expired_registrations``,
+  ``nixl/metadata.py``; the deadlines are watched from update_state_after_alloc to
+  update_connector_output, since build_connector_meta, which calls ``super()``,
+  cannot be recompiled at run time to see the watchdog's pops), and the push workers
   report it through upstream's failed-receive path (``nixl/push_worker.py``), so
   that the scheduler applies ``kv_load_failure_policy`` and frees the blocks. A
   request aborted while its registration waits keeps its watchdog, so that its
@@ -14,13 +16,23 @@ NIXL push mode (v0.24+), decoder scheduler side:
 """
 
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     ReqId,
 )
-from vllm_patches._overlay import amend, filter_result_of, redirect_call_in
+from vllm_patches._overlay import (
+    amend,
+    call_at_end_of,
+    filter_result_of,
+    redirect_call_in,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 
 @amend("F9", ">=0.24.0")
@@ -41,30 +53,42 @@ class NixlPushConnectorScheduler:
         )
 
     @cached_property
-    def _push_expired_registrations(self) -> set[ReqId]:
-        """Requests whose registration the watchdog gave up on since the last
-        metadata was built."""
+    def _push_watched_registrations(self) -> set[ReqId]:
+        """Requests whose registration deadline is armed, until their push
+        completes or the watchdog drops the deadline."""
         return set()
 
-    @redirect_call_in("build_connector_meta", "self._push_registration_deadlines.pop")
-    def _expire_push_registration(
-        self, req_id: ReqId, default: float | None = None
-    ) -> float | None:
-        """The watchdog gives up on ``req_id``'s registration: the push cannot
-        be relied on any more, so the request's receive is reported failed."""
-        if self._report_expired_registrations:
-            self._push_expired_registrations.add(req_id)
-        return self._push_registration_deadlines.pop(req_id, default)
+    @call_at_end_of("update_state_after_alloc")
+    def _watch_registration(self, request: "Request") -> None:
+        """Watch the deadline that update_state_after_alloc armed for a request."""
+        if (
+            self._report_expired_registrations
+            and request.request_id in self._push_registration_deadlines
+        ):
+            self._push_watched_registrations.add(request.request_id)
+
+    @call_at_end_of("update_connector_output")
+    def _unwatch_served(self, connector_output: "KVConnectorOutput") -> None:
+        """A completed push clears the deadline: nothing to report."""
+        for req_id in connector_output.finished_recving or ():
+            self._push_watched_registrations.discard(req_id)
 
     @filter_result_of("build_connector_meta")
     def _with_expired_registrations(
         self, meta: KVConnectorMetadata
     ) -> KVConnectorMetadata:
-        """The step's metadata names the expired registrations for the workers."""
-        if self._push_expired_registrations:
+        """The watchdog in build_connector_meta drops the deadlines that passed;
+        a watched request whose deadline is gone is one it gave up on, and the
+        step's metadata names it for the workers, which report its receive
+        failed."""
+        watched = self._push_watched_registrations
+        if not watched:
+            return meta
+        expired = {r for r in watched if r not in self._push_registration_deadlines}
+        if expired:
+            watched.difference_update(expired)
             assert isinstance(meta, NixlConnectorMetadata)
-            meta.push_expired_registrations = set(self._push_expired_registrations)
-            self._push_expired_registrations.clear()
+            meta.push_expired_registrations = expired
         return meta
 
     @redirect_call_in("request_finished", "self._push_registration_deadlines.pop")
