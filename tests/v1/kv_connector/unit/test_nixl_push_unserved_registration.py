@@ -311,7 +311,11 @@ def test_served_registration_is_not_failed(make_decoder):
     decoder.clock.advance(TIMEOUT + 1)
     for _ in range(3):
         decoder.step()
-    assert request.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH_CAPPED)
+    # Still decoding on the pushed KV, or done: never failed.
+    assert request.status in (
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
     assert not decoder.outputs.get(request.request_id) or all(
         o.finish_reason is None or o.finish_reason.name != "ERROR"
         for o in decoder.outputs[request.request_id]

@@ -15,6 +15,8 @@ NIXL push mode (v0.24+), decoder scheduler side:
   blocks, which the scheduler holds until the receive ends, are freed too.
 """
 
+from __future__ import annotations
+
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -59,7 +61,7 @@ class NixlPushConnectorScheduler:
         return set()
 
     @call_at_end_of("update_state_after_alloc")
-    def _watch_registration(self, request: "Request") -> None:
+    def _watch_registration(self, request: Request) -> None:
         """Watch the deadline that update_state_after_alloc armed for a request."""
         if (
             self._report_expired_registrations
@@ -68,7 +70,7 @@ class NixlPushConnectorScheduler:
             self._push_watched_registrations.add(request.request_id)
 
     @call_at_end_of("update_connector_output")
-    def _unwatch_served(self, connector_output: "KVConnectorOutput") -> None:
+    def _unwatch_served(self, connector_output: KVConnectorOutput) -> None:
         """A completed push clears the deadline: nothing to report."""
         for req_id in connector_output.finished_recving or ():
             self._push_watched_registrations.discard(req_id)
