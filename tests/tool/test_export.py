@@ -268,7 +268,7 @@ def test_no_git_identity_is_refused_in_one_line(tmp_path, monkeypatch, vllm_clon
 
 
 def test_bad_input(contributor, capsys, tmp_path):
-    code, _, err = run(capsys, "export", "F9")
+    code, _, err = run(capsys, "export", "F99")
     assert code == EXIT_BAD_INPUT and "unknown fix" in err
     code, _, err = run(capsys, "export", "F4", "--3way")
     assert code == EXIT_BAD_INPUT and "--onto" in err

@@ -1087,12 +1087,12 @@ def test_any_activation_error_starts_vllm_without_fixes_by_default(on_v0_33_1, m
                                                                    caplog):
     caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
     on_v0_33_1.install_source(HOOKED)
-    monkeypatch.setenv("VLLM_PATCHES_FIXES", "F9")
+    monkeypatch.setenv("VLLM_PATCHES_FIXES", "F99")
     _runtime.register()
     [(level, line)] = plugin_lines(caplog)
     assert level == logging.ERROR and line.startswith(
         "vllm-patches: NOT active on vLLM 0.33.1: F2; vLLM starts without the fixes")
-    assert "Why: VLLM_PATCHES_FIXES names unknown fix F9" in line
+    assert "Why: VLLM_PATCHES_FIXES names unknown fix F99" in line
 
 
 def test_any_error_before_the_first_change_starts_vllm_without_fixes(on_v0_33_1, monkeypatch,

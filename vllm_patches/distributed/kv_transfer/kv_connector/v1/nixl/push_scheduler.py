@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py``.
+
+NIXL push mode (v0.24+), decoder scheduler side:
+
+- F9: a registration that the watchdog gives up on (``push_registration_timeout``)
+  is a failed receive: the step's metadata names it (``push_expired_registrations``,
+  ``nixl/metadata.py``; the deadlines are watched from update_state_after_alloc to
+  update_connector_output, since build_connector_meta, which calls ``super()``,
+  cannot be recompiled at run time to see the watchdog's pops), and the push workers
+  report it through upstream's failed-receive path (``nixl/push_worker.py``), so
+  that the scheduler applies ``kv_load_failure_policy`` and frees the blocks. A
+  request aborted while its registration waits keeps its watchdog, so that its
+  blocks, which the scheduler holds until the receive ends, are freed too.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    ReqId,
+)
+from vllm_patches._overlay import (
+    amend,
+    call_at_end_of,
+    filter_result_of,
+    redirect_call_in,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@amend("F9", ">=0.24.0")
+class NixlPushConnectorScheduler:
+    """F9: an unserved registration ends as a failed receive."""
+
+    @cached_property
+    def _report_expired_registrations(self) -> bool:
+        """kv_connector_extra_config["fail_expired_push_registrations"] (default
+        true); a cached property, so schedulers built without __init__ (tests)
+        have it too."""
+        vllm_config = getattr(self, "vllm_config", None)
+        config = getattr(vllm_config, "kv_transfer_config", None)
+        if config is None:
+            return True
+        return bool(
+            config.get_from_extra_config("fail_expired_push_registrations", True)
+        )
+
+    @cached_property
+    def _push_watched_registrations(self) -> set[ReqId]:
+        """Requests whose registration deadline is armed, until their push
+        completes or the watchdog drops the deadline."""
+        return set()
+
+    @call_at_end_of("update_state_after_alloc")
+    def _watch_registration(self, request: Request) -> None:
+        """Watch the deadline that update_state_after_alloc armed for a request."""
+        if (
+            self._report_expired_registrations
+            and request.request_id in self._push_registration_deadlines
+        ):
+            self._push_watched_registrations.add(request.request_id)
+
+    @call_at_end_of("update_connector_output")
+    def _unwatch_served(self, connector_output: KVConnectorOutput) -> None:
+        """A completed push clears the deadline: nothing to report."""
+        for req_id in connector_output.finished_recving or ():
+            self._push_watched_registrations.discard(req_id)
+
+    @filter_result_of("build_connector_meta")
+    def _with_expired_registrations(
+        self, meta: KVConnectorMetadata
+    ) -> KVConnectorMetadata:
+        """The watchdog in build_connector_meta drops the deadlines that passed;
+        a watched request whose deadline is gone is one it gave up on, and the
+        step's metadata names it for the workers, which report its receive
+        failed."""
+        watched = self._push_watched_registrations
+        if not watched:
+            return meta
+        expired = {r for r in watched if r not in self._push_registration_deadlines}
+        if expired:
+            watched.difference_update(expired)
+            assert isinstance(meta, NixlConnectorMetadata)
+            meta.push_expired_registrations = expired
+        return meta
+
+    @redirect_call_in("request_finished", "self._push_registration_deadlines.pop")
+    def _keep_watchdog_of_unserved(
+        self, req_id: ReqId, default: float | None = None
+    ) -> float | None:
+        """A request that finishes with its deadline armed was aborted before its
+        push completed (the completion clears the deadline): the scheduler holds
+        its blocks until the workers report the receive done, which only the push
+        or the watchdog can now cause. Keep the deadline so that the watchdog
+        ends the receive; upstream drops it, and the blocks stay held."""
+        if self._report_expired_registrations:
+            return self._push_registration_deadlines.get(req_id, default)
+        return self._push_registration_deadlines.pop(req_id, default)
