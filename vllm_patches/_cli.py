@@ -492,15 +492,17 @@ def main(argv: list[str] | None = None) -> int:
     then stay until it exits; given: a caller in this process, whose handlers are put
     back) and return its exit code. A SIGINT or SIGTERM, from the first statement on, is
     one line and 130 or 143 (``_interrupt``)."""
-    with _interrupt.handled(restore=argv is not None):
-        try:
+    try:  # outside the handlers' block: a signal that lands as they are set is caught too
+        with _interrupt.handled(restore=argv is not None):
             try:
-                return _main(argv)
+                code = _main(argv)
             finally:
                 _interrupt.stop()  # a signal that comes later changes nothing
-        except _interrupt.Interrupted as exc:
-            print(f"vllm-patches: {exc}", file=sys.stderr)
-            return exc.exit_code
+            _interrupt.raise_lost()
+            return code
+    except _interrupt.Interrupted as exc:
+        print(f"vllm-patches: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 def _main(argv: list[str] | None) -> int:

@@ -34,6 +34,14 @@ traceback and leave, by timing, a `git am` in progress with a stale `.git/index.
 - **Only the first signal counts**: once ``Interrupted`` is raised, further signals are
   ignored, so the cleanup on its way out is not cut short; so is a signal after the
   verb has ended (``stop``): its exit code and output stand.
+- **No signal is lost where Python ignores exceptions**: a handler that runs in a
+  ``__del__`` or a finalizer (a ``subprocess.Popen`` or a scratch directory collected
+  at the wrong instant) raises ``Interrupted`` into code whose exceptions Python prints
+  as "Exception ignored in" and drops. CI's run of 03caad5 saw it: a SIGTERM became an
+  8-line traceback and `apply` went on to exit 0. ``handled`` puts a
+  ``sys.unraisablehook`` in place that keeps such an ``Interrupted`` quiet, and it is
+  raised again when the verb's work on the checkout has ended (``guard``), or the verb
+  has (``_cli.main``), with the line true then (``raise_lost``).
 
 The window this cannot cover: the interpreter's start-up, before ``_cli.main`` installs
 the handlers (Python's own SIGINT handler raises ``KeyboardInterrupt`` there; SIGTERM
@@ -43,6 +51,7 @@ kills). Nothing of the checkout has been read then.
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,6 +80,7 @@ class _Run:
         self.waiting = 0
         self.checkout: tuple[Path, str] | None = None  # (path, verb)
         self.changed = False
+        self.lost = False  # raised where Python drops exceptions (sys.unraisablehook)
 
     def message(self) -> str:
         assert self.signum is not None
@@ -98,6 +108,19 @@ def _record(signum: int, _frame) -> None:
     _run.raise_pending()
 
 
+def _keeping_lost_interruptions(hook):
+    """``hook`` (a ``sys.unraisablehook``) save for an ``Interrupted``, which is kept for
+    ``raise_lost`` instead of printed."""
+
+    def unraisable(what) -> None:
+        if isinstance(what.exc_value, Interrupted):
+            _run.lost = True
+        else:
+            hook(what)
+
+    return unraisable
+
+
 @contextmanager
 def handled(restore: bool) -> Iterator[None]:
     """SIGINT and SIGTERM handled as the module docstring says from here (the start of a
@@ -108,14 +131,19 @@ def handled(restore: bool) -> Iterator[None]:
     no handler, nothing changes."""
     global _run
     _run = _Run()
+    hook, sys.unraisablehook = sys.unraisablehook, _keeping_lost_interruptions(
+        sys.unraisablehook)
+    before = {}
     try:
-        before = {signum: signal.signal(signum, _record) for signum in SIGNALS}
-    except ValueError:  # not the main thread
-        before = {}
-    try:
+        try:
+            for signum in SIGNALS:  # a signal may land between two: put back what was set
+                before[signum] = signal.signal(signum, _record)
+        except ValueError:  # not the main thread
+            pass
         yield
     finally:
         _run.silent = True
+        sys.unraisablehook = hook
         if restore:
             for signum, handler in before.items():
                 signal.signal(signum, handler)
@@ -131,6 +159,15 @@ def changed() -> bool:
 def stop() -> None:
     """The verb has ended: a signal from now on is ignored (its exit code stands)."""
     _run.silent = True
+
+
+def raise_lost() -> None:
+    """Raise, again, an ``Interrupted`` that Python dropped (raised in a ``__del__`` or a
+    finalizer) on its way to ``_cli.main``, with the line true now that the verb ended."""
+    if _run.lost:
+        assert _run.signum is not None
+        _run.lost = False
+        raise Interrupted(_run.signum, _run.message())
 
 
 @contextmanager
@@ -166,4 +203,7 @@ def guard(path: Path, verb: str) -> Iterator[None]:
     try:
         yield
     finally:
-        _run.checkout = None
+        try:
+            raise_lost()  # here, where its line can say what became of the checkout
+        finally:
+            _run.checkout = None

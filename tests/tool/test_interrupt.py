@@ -240,3 +240,46 @@ def test_outside_a_change_a_signal_stops_at_once_and_changed_nothing(tmp_path):
         assert (exc.exit_code, str(exc)) == (
             130, f"interrupted (SIGINT); nothing was changed in {tmp_path}")
     assert signal.getsignal(signal.SIGINT) is before  # a caller in this process goes on
+
+
+class _CollectedWhenSignalled:
+    """An object whose ``__del__`` is where the signal lands: Python drops what a
+    ``__del__`` raises (a ``subprocess.Popen`` or a scratch directory collected at the
+    wrong instant did that in CI)."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_that_lands_in_a_finalizer_is_not_lost(monkeypatch, capsys, tmp_path):
+    """CI's run of 03caad5: a SIGTERM that landed in a finalizer became an 8-line "Exception
+    ignored in" traceback, and `apply` went on to exit 0. Now: one line, exit 143, and
+    the line says what became of the checkout."""
+    from vllm_patches import _cli, _interrupt
+
+    def verb(_argv):
+        with _interrupt.guard(tmp_path, "apply"):
+            with _interrupt.change():
+                pass
+            _CollectedWhenSignalled()
+            print("done: applied")
+        return 0
+
+    monkeypatch.setattr(_cli, "_main", verb)
+    assert _cli.main([]) == 143
+    out, err = capsys.readouterr()
+    line = (f"vllm-patches: interrupted (SIGTERM) after `apply` changed {tmp_path}; "
+            "that change is complete\n")
+    assert (out, err) == ("done: applied\n", line)
+
+
+def test_a_signal_lost_outside_a_checkout_ends_the_verb_interrupted(monkeypatch, capsys):
+    from vllm_patches import _cli
+
+    def verb(_argv):
+        _CollectedWhenSignalled()
+        return 0
+
+    monkeypatch.setattr(_cli, "_main", verb)
+    assert _cli.main([]) == 143
+    assert capsys.readouterr().err == "vllm-patches: interrupted (SIGTERM)\n"
