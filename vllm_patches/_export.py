@@ -308,11 +308,23 @@ def _test_result(export: Export) -> str:
                            "test's comment says how)." if amended else "")
 
 
+# A series of more commits than this describes only its last one in Details: the root
+# causes of five commits do not fit a two-minute read, and the commits it builds on are
+# named under Claims and explained in their own commit messages.
+DETAILED_COMMITS = 2
+
+
 def _root_causes(export: Export) -> str:
-    """Root cause and design of each commit in a few sentences: the commit messages hold
-    the full reasoning, which a reviewer reads in the diff."""
+    """Root cause and design of each commit in a few sentences (of the last one only in a
+    series longer than DETAILED_COMMITS): the commit messages hold the full reasoning,
+    which a reviewer reads in the diff."""
     if len(export.fixes) == 1:
         return _unwrap(_words(export, export.fix).details)
+    if len(export.fixes) > DETAILED_COMMITS:
+        built_on = count(len(export.fixes) - 1, "commit")
+        return (f"**{export.fix.title.rpartition('] ')[2]}.** "
+                f"{_unwrap(_words(export, export.fix).details)}\n\nIt builds on the "
+                f"{built_on} before it (under Claims), each explained in its commit message.")
     return "\n\n".join(f"**{f.title.rpartition('] ')[2]}.** {_unwrap(_words(export, f).details)}"
                        for f in export.fixes)
 

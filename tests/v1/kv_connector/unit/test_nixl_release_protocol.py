@@ -19,7 +19,8 @@ clock) and the real decoder-side scheduler connector (its heartbeat bookkeeping:
 "HB:id1,id2" notifications): prefills registered with the producer (some siblings
 registering late), the children of a prompt admitted together, READs started and
 completed on each of 1 or 2 decode ranks (decoder TP 2 over producer TP 1: two
-notifications per READ), bare notifications of children that hit the decoder's
+notifications per READ; each rank marks the READ it posts in a heartbeat, as a decode
+worker does), bare notifications of children that hit the decoder's
 prefix cache after a sibling child's READ, children finished and aborted, decoder
 steps (each shorter than the heartbeat interval: a live decoder) and a clock jump
 past the lease while no child needs a held prompt. Checked throughout: no READ
@@ -81,6 +82,8 @@ MAX_STEP = LEASE // 6
 # producer's registration.
 ADMISSION_WINDOW = 2 * MAX_STEP
 MAX_PROMPTS = 3
+# The heartbeat entry a decode worker sends after posting a READ.
+READ_POSTED_MARK = "read-posted/"
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +327,10 @@ class ReleaseProtocol(RuleBasedStateMachine):
             f"at {self.released[prompt.read]:.0f} (now {self.clock.now:.0f})"
         )
         child.state = "reading"
+        # Each decode rank, once it posted its READ, marks it in a heartbeat: the
+        # producer holds the prompt until the READ's notification.
+        for _ in range(self.ranks):
+            self.producer.heartbeat(prompt.read, f"{READ_POSTED_MARK}{prompt.read}")
         # What update_state_after_alloc does once the READ is scheduled.
         assert child.request.kv_transfer_params is not None
         child.request.kv_transfer_params["do_remote_prefill"] = False
@@ -492,20 +499,10 @@ def test_release_protocol(make_producer, monkeypatch):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "not fixed (docs/real-engine-lane.md, 'What the leases still cannot "
-        "promise'): heartbeats ride on the decoder's steps, so a decoder step "
-        "longer than the producer's lease extension renews nothing, and the "
-        "producer, which cannot see a one-sided READ, frees the prompt under one "
-        "still in flight"
-    ),
-)
 def test_decoder_step_longer_than_the_lease(make_producer, monkeypatch):
     """A live decoder (it steps and heartbeats) whose step stalls for a lease
-    while one child's READ is in flight: the producer's lease runs out."""
+    while one child's READ is in flight: no heartbeat renews the lease, and the
+    producer holds the prompt because the READ was marked as posted."""
     machine = ReleaseProtocol(make_producer, monkeypatch)
     if not machine.producer.has_heartbeats:
         pytest.skip("KV leases and heartbeats exist from v0.22")
@@ -514,3 +511,5 @@ def test_decoder_step_longer_than_the_lease(make_producer, monkeypatch):
     machine.decoder_step(MAX_STEP)
     machine._start_read(prompt, prompt.children[0])
     machine.decoder_step(LEASE)
+    machine._complete_read(prompt, prompt.children[0], 0)
+    machine.drain()

@@ -16,12 +16,18 @@ NIXL consumer (decode) scheduler side, heartbeats (KV leases, from v0.22):
   READing blocks the producer may have released. The decoder keeps, by its own
   clock, the time until which it knows the producer holds each remote prompt's
   lease; the pull scheduler checks it before a READ (``nixl/pull_scheduler.py``).
+- F8: the heartbeats mark the prompts whose READ the decoder scheduled
+  (``read-posted/<remote request id>``), so that the producer holds each until the
+  READ's notification (``nixl/base_worker.py``): the step that schedules a READ
+  carries a heartbeat for it, and every later heartbeat repeats the mark while the
+  prompt is heartbeated.
 
 From v0.24 ``NixlBaseConnectorScheduler``, shared by the pull and push
 schedulers; v0.22 - v0.23 ``NixlConnectorScheduler`` in ``nixl/scheduler.py``
 (``into=``). Upstream methods are changed through hooks only.
 """
 
+import dataclasses
 import time
 from collections import Counter
 from functools import cached_property
@@ -160,3 +166,91 @@ class NixlBaseConnectorScheduler:
         if key is not None:
             self._lease_vouched_until.pop(key, None)
         return key
+
+
+@amend("F8", ">=0.24.0")
+@amend("F8", ">=0.22.0,<0.24.0", into="scheduler.py", name="NixlConnectorScheduler")
+class NixlBaseConnectorScheduler:
+    """F8: the heartbeats mark the prompts whose READ was scheduled."""
+
+    # The heartbeat entry that marks a READ of <remote request id> as posted; the
+    # producer's worker reads it (nixl/base_worker.py, the same mark).
+    _READ_POSTED_MARK = "read-posted/"
+
+    @cached_property
+    def _marks_reads(self) -> bool:
+        """Whether heartbeats mark READs: kv_connector_extra_config
+        ["read_hold_limit"] is not 0. Made on first use, so that schedulers built
+        without __init__ (tests) have it too."""
+        vllm_config = getattr(self, "vllm_config", None)
+        config = getattr(vllm_config, "kv_transfer_config", None)
+        return config is None or bool(
+            float(config.get_from_extra_config("read_hold_limit", 120))
+        )
+
+    @cached_property
+    def _marked_reads(self) -> set[tuple[EngineId, ReqId]]:
+        """(remote engine id, remote request id) of the prompts whose READ this
+        scheduler scheduled, while they are heartbeated: a prompt whose heartbeat
+        stopped is dropped at the next regular heartbeat. O(prompts read and
+        heartbeated within the last interval)."""
+        return set()
+
+    @filter_result_of("build_connector_meta")
+    def _mark_scheduled_reads(
+        self, meta: NixlConnectorMetadata
+    ) -> NixlConnectorMetadata:
+        """The step's metadata, with its heartbeats marking READs.
+
+        A prompt whose READ this step schedules gets a heartbeat in this step,
+        even between heartbeat intervals: the worker sends the step's heartbeats
+        after posting its READs, so the producer holds the prompt from then on,
+        and a decoder that does not step again for longer than the lease
+        extension cannot have the blocks freed under its READ. A regular
+        heartbeat repeats the mark for every marked prompt it names (a READ the
+        first handshake with the producer deferred is covered from there). The
+        step's heartbeat_by_engine is a new dict with new HeartbeatInfo where a
+        mark is added: upstream hands its own dict to the metadata. Costs
+        O(READs scheduled) per step, and O(prompts in the heartbeat) per
+        heartbeat interval."""
+        if not self._marks_reads:
+            return meta
+        marked = self._marked_reads
+        tracked = self._heartbeat_by_engine
+        scheduled: dict[EngineId, set[ReqId]] = {}
+        for recv in meta.reqs_to_recv.values():
+            remote = recv.remote
+            if remote is None or not any(recv.local_block_ids):
+                continue  # no READ: a notification only
+            info = tracked.get(remote.engine_id)
+            # Only a heartbeated prompt: its mark leaves with its heartbeat.
+            if info is not None and remote.request_id in info.req_ids:
+                marked.add((remote.engine_id, remote.request_id))
+                scheduled.setdefault(remote.engine_id, set()).add(remote.request_id)
+        if meta.heartbeat_by_engine:
+            # A regular heartbeat: forget the marks of prompts no longer heartbeated.
+            marked.intersection_update(
+                (engine_id, remote_id)
+                for engine_id, info in tracked.items()
+                for remote_id in info.req_ids
+            )
+        if not marked or not (scheduled or meta.heartbeat_by_engine):
+            return meta
+        heartbeats = dict(meta.heartbeat_by_engine)
+        for engine_id in scheduled.keys() - heartbeats.keys():
+            heartbeats[engine_id] = dataclasses.replace(
+                tracked[engine_id], req_ids=set(scheduled[engine_id])
+            )
+        mark = self._READ_POSTED_MARK
+        for engine_id, info in heartbeats.items():
+            marks = {
+                f"{mark}{remote_id}"
+                for remote_id in info.req_ids
+                if (engine_id, remote_id) in marked
+            }
+            if marks:
+                heartbeats[engine_id] = dataclasses.replace(
+                    info, req_ids=info.req_ids | marks
+                )
+        meta.heartbeat_by_engine = heartbeats
+        return meta

@@ -11,6 +11,9 @@ NIXL producer (prefill) release path, vllm PR 43509:
 - F3: a pull notification that arrives before ``start_load_kv`` registered the
   request is staged and applied at registration instead of being dropped
   (``EarlyPullNotifications``).
+- F8 (KV leases, from v0.22): a heartbeat entry that marks a READ as posted holds
+  the request past its lease until the READ's own notification releases it, or
+  a limit passes; the decode side sends the mark (``nixl/pull_worker.py``).
 
 From v0.24 the producer state lives here and the pull-specific methods
 (``start_load_kv``, ``_get_new_notifs``) in ``nixl/pull_worker.py``.
@@ -18,9 +21,11 @@ From v0.24 the producer state lives here and the pull-specific methods
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
+from functools import cached_property
 
 from vllm import envs
 from vllm_patches._overlay import add, amend, call_at_end_of, filter_result_of
@@ -125,6 +130,70 @@ class NixlBaseConnectorWorker:
         """How many notifications one decode request sends this worker, from the
         number its notifications carry. Subclasses own the notification format."""
         raise NotImplementedError
+
+
+@amend("F8", ">=0.24.0")
+@amend("F8", ">=0.22.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+class NixlBaseConnectorWorker:
+    """F8: a prompt stays held while a decoder's READ of it is in flight."""
+
+    # Marks a heartbeat entry "a READ of this request was posted": a decoder sends
+    # "HB:<id>,<mark><id>" after posting its READ. A producer without this fix
+    # looks the marked entry up as a request id, finds none and ignores it (the
+    # plain entry renews the lease as any heartbeat does).
+    _READ_POSTED_MARK = "read-posted/"
+
+    @cached_property
+    def _read_hold_limit(self) -> float:
+        """Seconds a marked READ holds its prompt
+        (kv_connector_extra_config["read_hold_limit"], 120 by default; 0: marks
+        are ignored). It must outlast the longest READ (a large prompt on a slow
+        link), and it is what a decoder that dies after its READ of a
+        parallel-sampling prompt costs: the READ's notification then does not
+        release the prompt (the release of parallel-sampling siblings holds it
+        for the children that have not read), so it stays held until the limit
+        passes, instead of a lease extension (20 s at the default lease). Before
+        leases (v0.21 and older) every prompt was held 480 s
+        (VLLM_NIXL_ABORT_REQUEST_TIMEOUT). Made on first use, so that workers
+        built without __init__ (tests) have it too."""
+        config = getattr(self, "kv_transfer_config", None)
+        if config is None:
+            return 120.0
+        return float(config.get_from_extra_config("read_hold_limit", 120))
+
+    @call_at_end_of("_handle_heartbeat")
+    def _hold_prompts_under_read(self, payload: str) -> None:
+        """Hold each request a heartbeat marks as being READ for ``read_hold_limit``
+        seconds from now, unless its lease already runs longer.
+
+        Invariant: a request whose READ a decoder posted while the producer held
+        it is not released by lease before that READ's own notification arrives
+        (which releases it as upstream does, by its count of reads), or the limit
+        passes. NIXL delivers a READ's notification to the producer when the
+        transfer completes, whatever the decoder does meanwhile; heartbeats ride
+        the decoder's steps, so without the mark a decoder whose step outlasts
+        the lease extension lets the producer free, and reuse, blocks a READ is
+        still reading (the lease protocol of PR 41383). The limit bounds what a
+        decoder that dies mid-READ, or a READ that fails (it sends no
+        notification), keeps held. Costs one substring test per heartbeat
+        without marks."""
+        mark = self._READ_POSTED_MARK
+        if mark not in payload or self._read_hold_limit <= 0:
+            return
+        hold_until = time.perf_counter() + self._read_hold_limit
+        for entry in payload.split(","):
+            if not entry.startswith(mark):
+                continue
+            req_id = entry[len(mark) :]
+            expires = self._reqs_to_send.get(req_id)
+            if expires is not None and expires < hold_until:
+                self._reqs_to_send[req_id] = hold_until
+                logger.debug(
+                    "Holding KV blocks of request %s for up to %.0f s: a decode "
+                    "worker posted a READ of them.",
+                    req_id,
+                    self._read_hold_limit,
+                )
 
 
 @amend("F3", ">=0.24.0")
