@@ -13,10 +13,16 @@ NIXL push mode (v0.24+), decoder scheduler side:
   that the scheduler applies ``kv_load_failure_policy`` and frees the blocks. A
   request aborted while its registration waits keeps its watchdog, so that its
   blocks, which the scheduler holds until the receive ends, are freed too.
+- F10: the heartbeats also name the decoder's own request ids. The remote
+  request id a push decode leg carries is the proxy's X-Request-Id, which names
+  no producer request; the decoder's own id is the one its registration
+  carries, and the producer pairs it with its own request by the id without its
+  random suffix (``nixl/push_worker.py`` renews the lease by that key too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -105,3 +111,41 @@ class NixlPushConnectorScheduler:
         if self._report_expired_registrations:
             return self._push_registration_deadlines.get(req_id, default)
         return self._push_registration_deadlines.pop(req_id, default)
+
+
+@amend("F10", ">=0.24.0")
+class NixlPushConnectorScheduler:
+    """F10: the heartbeats name what the producer can pair with its requests."""
+
+    @cached_property
+    def _heartbeat_own_request_ids(self) -> bool:
+        """kv_connector_extra_config["renew_push_leases"] (default true); a cached
+        property, so schedulers built without __init__ (tests) have it too."""
+        vllm_config = getattr(self, "vllm_config", None)
+        config = getattr(vllm_config, "kv_transfer_config", None)
+        if config is None:
+            return True
+        return bool(config.get_from_extra_config("renew_push_leases", True))
+
+    @filter_result_of("build_connector_meta")
+    def _with_own_heartbeat_ids(self, meta: KVConnectorMetadata) -> KVConnectorMetadata:
+        """Add to each remote engine's heartbeat the ids of this decoder's
+        requests that heartbeat it: those upstream tracks in
+        _heartbeat_req_engine from on_new_request until their KV arrives or they
+        finish. The remote request ids upstream sends stay (a producer whose
+        request id is the remote id still renews it); the tracked state is not
+        changed, the step's metadata gets copies. Once per heartbeat interval,
+        O(tracked requests)."""
+        assert isinstance(meta, NixlConnectorMetadata)
+        if not meta.heartbeat_by_engine or not self._heartbeat_own_request_ids:
+            return meta
+        own: dict[str, set[str]] = {}
+        for req_id, (engine_id, _) in self._heartbeat_req_engine.items():
+            own.setdefault(engine_id, set()).add(req_id)
+        meta.heartbeat_by_engine = {
+            engine_id: dataclasses.replace(
+                info, req_ids=info.req_ids | own.get(engine_id, set())
+            )
+            for engine_id, info in meta.heartbeat_by_engine.items()
+        }
+        return meta
