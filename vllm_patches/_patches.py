@@ -68,22 +68,31 @@ def _overlay_files(fixes: list[Fix]) -> dict[str, Path]:
     return code | {test: _series.REPO_DIR / test for f in fixes for test in f.test_overlays}
 
 
-def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version) -> dict[str, str]:
-    """Upstream path -> source with ``fixes`` (in series order) spliced in."""
+def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version,
+                    done: dict[tuple, str] | None = None) -> dict[str, str]:
+    """Upstream path -> source with ``fixes`` (in series order) spliced in.
+
+    ``done`` keeps each file's splice by the definitions it took: ``generate`` asks for
+    fixes[:1], fixes[:2], ... in turn, and a file the next fix does not touch takes the
+    same definitions again (without it, regen is quadratic in the series' length)."""
     ids = [fix.id for fix in fixes]
     overlays = _overlay_files(fixes)
+    done = {} if done is None else done
     sources: dict[str, str] = {}
     for upstream_path, path in overlays.items():
         parsed = Overlay.parse(path, overlays.values())
         definitions = parsed.select(ids, release)
         if not definitions:
             continue  # an overlay for another layout (e.g. a file older releases had)
-        overlay = path.relative_to(_series.REPO_DIR)
-        upstream = _git.file_at(tree, base, upstream_path)
-        if upstream is None:
-            raise UserError(f"v{release} has no {upstream_path} (overlay {overlay})")
-        spliced = splice(upstream, definitions, parsed)
-        sources[upstream_path] = sort_imports(tree, upstream_path, spliced)
+        key = (upstream_path, tuple((d.source, d.position) for d in definitions))
+        if key not in done:
+            overlay = path.relative_to(_series.REPO_DIR)
+            upstream = _git.file_at(tree, base, upstream_path)
+            if upstream is None:
+                raise UserError(f"v{release} has no {upstream_path} (overlay {overlay})")
+            spliced = splice(upstream, definitions, parsed)
+            done[key] = sort_imports(tree, upstream_path, spliced)
+        sources[upstream_path] = done[key]
     return sources
 
 
@@ -157,13 +166,18 @@ def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]
     upstream_commit = _releases.upstream_commit(tree)
     applicable = series.applicable(release)
     check_bounds(_overlay_files(applicable).values(), {fix.id for fix in applicable})
+    splices: dict[tuple, str] = {}
+    written: dict[str, str] = {}
     with _git.commits(tree, base, PATCH_COMMITS.env(), isolated=True) as commits:
         for number, fix in enumerate(applicable, start=1):
-            sources = spliced_sources(tree, base, applicable[:number], release)
+            sources = spliced_sources(tree, base, applicable[:number], release, splices)
             for upstream_path, source in sources.items():
+                if written.get(upstream_path) == source:
+                    continue  # checked and written for an earlier fix
                 check_formatted(tree, upstream_path, source,
                                 _git.file_at(tree, base, upstream_path) or "")
                 commits.write(upstream_path, source)
+                written[upstream_path] = source
             if not commits.changed():
                 raise UserError(f"{fix.id} changes nothing on v{release}: no overlay variant holds it")
             commits.commit(commit_message(fix, release, upstream_commit))
