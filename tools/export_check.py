@@ -10,7 +10,11 @@ the lanes given with --release:
   3. upstream's pre-commit, as the release's config pins it (tools/precommit.py), passes
      on every file the series changes: the fixes' sources and their tests.
 
+The exports, their test runs and their hook runs go ``--jobs`` at a time (default: one
+per CPU core).
+
 Usage: python tools/export_check.py [--release vX.Y.Z ...] [--fix F2 ...] [--hooks-only]
+                                    [--jobs N]
 To check your edits of a fix's tests against upstream's hooks, run it with --fix and
 --hooks-only (a minute once pre-commit's environments are cached).
 Exit code 0 only if every export met every expectation.
@@ -23,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from packaging.version import Version
@@ -58,34 +63,49 @@ def changed_files(tree: Path, base: str) -> list[str]:
                           capture_output=True, text=True, check=True).stdout.split()
 
 
-def check_release(release: Version, fixes: list[_series.Fix], hooks_only: bool) -> list[str]:
-    """Export each of ``fixes`` onto ``release``; the broken expectations (none: all met)."""
+def check_release(release: Version, fixes: list[_series.Fix], hooks_only: bool,
+                  jobs: int) -> list[str]:
+    """Export each of ``fixes`` onto ``release``; the broken expectations (none: all met).
+    Each export, its tests and its hooks are independent of the others': ``jobs`` of
+    them run at a time."""
     series = _series.load()
     work = lanes.BUILD / "exported" / f"v{release}"
     problems: list[str] = []
     exported: dict[str, tuple[Path, str]] = {}
-    for fix in fixes:
+
+    def export(fix: _series.Fix) -> str | None:
         try:
             exported[fix.id] = export_onto(release, fix, work / fix.id)
         except RuntimeError as exc:
-            problems.append(f"v{release} {fix.id}: {exc}")
-    if not hooks_only and exported:
-        problems += check_tests(release, series, fixes, exported, work)
-    for fix_id, (tree, base) in exported.items():
+            return f"v{release} {fix.id}: {exc}"
+        return None
+
+    def hooks(fix_id: str) -> str | None:
+        tree, base = exported[fix_id]
         files = changed_files(tree, base)
         started = time.monotonic()
         code, report = precommit.run_hooks(tree, files)
         lanes.log(f"v{release} {fix_id}: pre-commit on {count(len(files), 'file')}: "
                   f"{'passed' if code == 0 else 'FAILED'} ({time.monotonic() - started:.0f} s)")
-        if code != 0:
-            sys.stdout.write(report)
-            problems.append(f"v{release} {fix_id}: upstream's pre-commit fails on the exported "
-                            f"series ({', '.join(files)})")
+        if code == 0:
+            return None
+        sys.stdout.write(report)
+        return (f"v{release} {fix_id}: upstream's pre-commit fails on the exported series "
+                f"({', '.join(files)})")
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        problems += [p for p in pool.map(export, fixes) if p]
+        if not hooks_only and exported:
+            problems += check_tests(release, series, fixes, exported, work, pool)
+        precommit.runner()  # made once, before the hooks run side by side
+        ordered = [fix.id for fix in fixes if fix.id in exported]
+        problems += [p for p in pool.map(hooks, ordered) if p]
     return problems
 
 
 def check_tests(release: Version, series: _series.Series, fixes: list[_series.Fix],
-                exported: dict[str, tuple[Path, str]], work: Path) -> list[str]:
+                exported: dict[str, tuple[Path, str]], work: Path,
+                pool: ThreadPoolExecutor) -> list[str]:
     """stock_fails fail on stock with the exported tests; the exported trees pass."""
     source = _releases.fetch(release)
     python = lanes.ensure_venv(release, source)
@@ -103,21 +123,29 @@ def check_tests(release: Version, series: _series.Series, fixes: list[_series.Fi
             (stock / test).parent.mkdir(parents=True, exist_ok=True)
             (stock / test).write_text(shown)
         stock_fails += fix.stock_fails
-    report = work / "stock-report.jsonl"
-    lanes.run_pytest(python, stock, dist_root, stock_fails, [], report)
-    results = lanes.outcomes(report)
-    for node in stock_fails:
-        if results.get(node) != "failed":
-            problems.append(f"v{release} stock: {node} {results.get(node, 'did not run')}, "
-                            "but the exported test must fail there")
-    for fix_id, (tree, _) in exported.items():
+
+    def stock_run() -> list[str]:
+        report = work / "stock-report.jsonl"
+        lanes.run_pytest(python, stock, dist_root, stock_fails, [], report)
+        results = lanes.outcomes(report)
+        return [f"v{release} stock: {node} {results.get(node, 'did not run')}, but the "
+                "exported test must fail there"
+                for node in stock_fails if results.get(node) != "failed"]
+
+    def exported_run(fix_id: str) -> list[str]:
+        tree, _ = exported[fix_id]
         tests = [t for f in series.with_requirements(series.fix(fix_id)) for t in f.tests]
         report = work / f"{fix_id}-report.jsonl"
         code, _ = lanes.run_pytest(python, tree, dist_root, tests, [], report)
         failed = [n for n, o in lanes.outcomes(report).items() if o == "failed"]
-        if code != 0:
-            problems.append(f"v{release} export {fix_id}: pytest exit {code}; failed: "
-                            f"{', '.join(failed) or '-'}")
+        if code == 0:
+            return []
+        return [f"v{release} export {fix_id}: pytest exit {code}; failed: {', '.join(failed) or '-'}"]
+
+    runs = [pool.submit(stock_run)] + [pool.submit(exported_run, fix.id)
+                                       for fix in fixes if fix.id in exported]
+    for run in runs:
+        problems += run.result()
     return problems
 
 
@@ -145,12 +173,15 @@ def main() -> int:
     parser.add_argument("--skip-upstream", action="store_true",
                         help="no effect: accepted because tools/test.sh passes its arguments "
                              "to tools/lanes.py and here (no upstream suite runs here)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="exports, test runs and hook runs at a time (default: one per "
+                             "CPU core)")
     args = parser.parse_args()
     problems = []
     for release, fixes in plan(_series.load(), args.release, args.fix).items():
         started = time.monotonic()
         lanes.log(f"v{release}: export {', '.join(f.id for f in fixes)}")
-        release_problems = check_release(release, fixes, args.hooks_only)
+        release_problems = check_release(release, fixes, args.hooks_only, args.jobs)
         lanes.log(f"v{release}: {'ok' if not release_problems else 'problems'} "
                   f"({time.monotonic() - started:.0f} s)")
         problems += release_problems
