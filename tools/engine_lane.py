@@ -80,7 +80,7 @@ ENGINE_SETTINGS = {
     # the lease-based release of the newer layout.
     Version("0.18.0"): EngineSettings(tests=(
         "tests/e2e/test_f1_cross_group.py", "tests/e2e/test_f2_f3_nixl_pair.py",
-        "tests/e2e/test_f3_early_notification.py", "tests/e2e/test_runtime_plugin_line.py")),
+        "tests/e2e/test_f3_early_notification.py")),
     # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
     # pair, plainly and through MultiConnector, the load scenario and the fault matrix
     # (leases); its engines' processes show the plugin line. F1 is upstream from v0.24 (and its scenario's

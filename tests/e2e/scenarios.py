@@ -156,18 +156,6 @@ def completion(server: Server, prompt: list[int], **params: Any) -> dict[str, An
 # ------------------------------------------------------------------------- scenarios
 
 
-def served(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
-    """One served engine (API server, engine core, worker) answering one completion."""
-    server = Server("server", run_dir, 8000, OPT)
-    try:
-        ready_s = server.wait_ready()
-        response = completion(server, list(range(10, 42)), max_tokens=2)
-    finally:
-        server.stop()
-    return {"ready_s": round(ready_s, 1),
-            "completion_tokens": response["usage"]["completion_tokens"]}
-
-
 def f1_cross_group(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     """vllm#33775 in a real engine: a hybrid model with ``args["groups"]`` KV-cache
     groups (Gemma-3 text layers: sliding window first, full attention last; window 128
@@ -782,7 +770,7 @@ def nixl_push(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     return push.run(run_dir, args)
 
 
-SCENARIOS = {"served": served, "f1_cross_group": f1_cross_group, "nixl_pair": nixl_pair,
+SCENARIOS = {"f1_cross_group": f1_cross_group, "nixl_pair": nixl_pair,
              "f3_early_notification": f3_early_notification, "nixl_load": nixl_load,
              "nixl_faults": nixl_faults, "nixl_push": nixl_push}
 

@@ -56,12 +56,18 @@ serves the n=4 and the n=8 prompt; every test below checks that run.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import analysis
 import pytest
-from harness import activation_line, bug_expected, probe_events, quiet_roles, run_scenario
+from harness import (
+    activation_line,
+    bug_expected,
+    pair_runs,
+    probe_events,
+    quiet_roles,
+    run_scenario,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -70,11 +76,7 @@ pytestmark = pytest.mark.engine
 SAMPLES = [4, 8]
 
 
-MODES = ["stock", "fixed"]
-# The connectors the release's lane runs the pair with (tools/engine_lane.py decides).
-CONNECTORS = os.environ.get("VLLM_PATCHES_E2E_PAIR_CONNECTORS", "NixlConnector").split(",")
-PAIR_RUNS = [(mode, connector) for connector in CONNECTORS for mode in MODES]
-RUNS = pytest.mark.parametrize(("mode", "connector"), PAIR_RUNS)
+RUNS = pytest.mark.parametrize(("mode", "connector"), pair_runs())
 
 
 # Prefill and decode engines are upgraded separately (F5): pairs whose engines run fix
@@ -295,7 +297,7 @@ COMBINATION = pytest.mark.parametrize("name", list(COMBINATIONS))
 
 
 @pytest.mark.parametrize(("mode", "connector", "name"),
-                         [(mode, connector, None) for mode, connector in PAIR_RUNS]
+                         [(mode, connector, None) for mode, connector in pair_runs()]
                          + [("fixed", "NixlConnector", name) for name in COMBINATIONS])
 def test_every_child_holds_the_prompt_kv_the_producer_computed(
         mode: str, connector: str, name: str | None) -> None:
