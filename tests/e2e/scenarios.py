@@ -249,13 +249,11 @@ def kv_transfer_config(connector: str, lease: int = NIXL_EXPIRY_S) -> dict[str, 
     """The engines' KV transfer config: ``NixlConnector`` (``kv_both``, KV in host
     memory, its lease ``lease`` seconds), itself or as the only child of a
     ``MultiConnector`` (the setup reported in PR 43509's thread)."""
-    # read_hold_limit 0: F8 off in the pairs. With it, a decoder killed after its READ
-    # leaves the prompt held 120 s, not a lease, and the fault matrix's kill case
-    # (producer KV 0 a lease after the kill) failed (clean-clone run of 86f2dfb); a
-    # READ on loopback cannot outlast a stall, so no pair shows what F8 is for. Open:
-    # F8's default against issue 27's "the producer frees everything by lease".
+    # F8 at its default (read_hold_limit 120 s): its hold of a prompt under READ ends
+    # with the READ's notification, so the fault matrix's killed decoder leaves
+    # nothing held a lease after the kill (the pairs ran F8 off until that was so).
     nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"kv_lease_duration": lease, "read_hold_limit": 0}}
+            "kv_connector_extra_config": {"kv_lease_duration": lease}}
     configs = {"NixlConnector": nixl,
                "MultiConnector": {"kv_connector": "MultiConnector", "kv_role": "kv_both",
                                   "kv_connector_extra_config": {"connectors": [nixl]}}}

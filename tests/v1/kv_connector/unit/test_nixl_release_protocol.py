@@ -513,3 +513,31 @@ def test_decoder_step_longer_than_the_lease(make_producer, monkeypatch):
     machine.decoder_step(LEASE)
     machine._complete_read(prompt, prompt.children[0], 0)
     machine.drain()
+
+
+def test_decoder_killed_after_its_read(make_producer, monkeypatch):
+    """Issue 27 (d) of vllm-patches, the fault matrix's decoder-killed case: the
+    decoder is killed after the READ of an n = 2 prompt, while its other child
+    still waits. Before that it heartbeated the prompt for the waiting child,
+    repeating the READ's mark. Nothing comes from it again, and the producer
+    frees the prompt within a lease (the READ's hold ends with its notification),
+    not after ``read_hold_limit``."""
+    machine = ReleaseProtocol(make_producer, monkeypatch)
+    if not machine.producer.has_heartbeats:
+        pytest.skip("KV leases and heartbeats exist from v0.22")
+    siblings = [f"{i}_{parent_id(0)}" for i in range(2)]
+    prompt = machine.register(siblings, set())
+    machine.admit(prompt)
+    machine.decoder_step(MAX_STEP)
+    machine._start_read(prompt, prompt.children[0])
+    for rank in range(machine.ranks):
+        machine._complete_read(prompt, prompt.children[0], rank)
+    machine.decoder_step(MAX_STEP)
+    killed_at = machine.clock.now
+    machine.clock.now += LEASE + 1  # the producer steps on alone
+    machine.poll()
+    held = sorted(set(siblings) - machine.released.keys())
+    assert not held, (
+        f"{held} held {LEASE + 1} s after the decoder was killed at {killed_at:.0f}: "
+        "the READ's hold outlived its notification"
+    )

@@ -93,9 +93,33 @@ class NixlBaseConnectorWorker:
         if req_id not in self._reqs_to_process:
             return False
         notifications = self._notifications_per_reader(int(readers))
-        return not self._best_of_siblings.reads(
+        held = not self._best_of_siblings.reads(
             req_id, 1, notifications, self._reqs_to_process
         )
+        if held and self._best_of_siblings.child_read(req_id):
+            self._lease_siblings_from_read(req_id)
+        return held
+
+    def _lease_siblings_from_read(self, req_id: ReqId) -> None:
+        """A sibling kept after a decode child read it (from every decode rank),
+        and its siblings, live on the other children's heartbeats from now on:
+        their expiry ends at most one lease extension after this read.
+
+        Invariant (issue 27 of vllm-patches): every request is released within
+        one lease of its last reader, unless a heartbeat renews it. Heartbeats
+        only extend to their own time plus the extension, so this shortens
+        nothing they set; it ends a longer hold at the read's notification
+        (F8's hold of a prompt under READ), which would otherwise outlast a
+        decoder killed after its READ. Releases without leases (v0.21 and
+        older) keep their timeout."""
+        extension = getattr(self, "_lease_extension", None)
+        if extension is None:
+            return
+        latest = time.perf_counter() + extension
+        leases = self._reqs_to_send
+        for sibling in (req_id, *self._best_of_siblings.others(req_id, leases)):
+            if leases.get(sibling, 0.0) > latest:
+                leases[sibling] = latest
 
     def _release_late_best_of_siblings(self, metadata: NixlConnectorMetadata) -> None:
         """Release siblings that registered to send after their parent was pulled."""
@@ -148,14 +172,14 @@ class NixlBaseConnectorWorker:
         """Seconds a marked READ holds its prompt
         (kv_connector_extra_config["read_hold_limit"], 120 by default; 0: marks
         are ignored). It must outlast the longest READ (a large prompt on a slow
-        link), and it is what a decoder that dies after its READ of a
-        parallel-sampling prompt costs: the READ's notification then does not
-        release the prompt (the release of parallel-sampling siblings holds it
-        for the children that have not read), so it stays held until the limit
-        passes, instead of a lease extension (20 s at the default lease). Before
-        leases (v0.21 and older) every prompt was held 480 s
-        (VLLM_NIXL_ABORT_REQUEST_TIMEOUT). Made on first use, so that workers
-        built without __init__ (tests) have it too."""
+        link), and it is what a decoder that dies mid-READ, or a READ that fails,
+        costs: no notification ends the hold, so the prompt stays held until the
+        limit passes, instead of a lease extension (20 s at the default lease).
+        A READ's notification ends its hold, also when the release of
+        parallel-sampling siblings keeps the prompt for children that have not
+        read (``_lease_siblings_from_read``). Before leases (v0.21 and older)
+        every prompt was held 480 s (VLLM_NIXL_ABORT_REQUEST_TIMEOUT). Made on
+        first use, so that workers built without __init__ (tests) have it too."""
         config = getattr(self, "kv_transfer_config", None)
         if config is None:
             return 120.0
@@ -186,6 +210,13 @@ class NixlBaseConnectorWorker:
                 continue
             req_id = entry[len(mark) :]
             expires = self._reqs_to_send.get(req_id)
+            siblings = getattr(self, "_best_of_siblings", None)
+            if siblings is not None and siblings.child_read(req_id):
+                # The READ's notifications are in (they can come before the mark:
+                # the decoder posts its READs before it sends the step's
+                # heartbeats, which repeat the mark while other children wait),
+                # and F2 keeps the request for those children: no READ to hold.
+                continue
             if expires is not None and expires < hold_until:
                 self._reqs_to_send[req_id] = hold_until
                 logger.debug(
@@ -393,8 +424,9 @@ class BestOfSiblings:
         self.randomized_ids = randomized_ids
         # Parents a decoder pulled through one of their siblings, oldest first.
         self.pulled_parents: OrderedDict[str, None] = OrderedDict()
-        # Siblings being read: request -> notifications still to hold back.
-        self._reads_to_hold: dict[str, int] = {}
+        # Siblings being read: request -> (notifications still to hold back, the
+        # notifications of one decode child).
+        self._reads_to_hold: dict[str, tuple[int, int]] = {}
 
     def split(self, req_id: str) -> tuple[int, str] | None:
         """``(index, parent)`` if ``req_id`` is shaped like a sibling, else None."""
@@ -461,14 +493,21 @@ class BestOfSiblings:
         children still to read it: ``per_reader`` notifications each are held
         back, so upstream's count reaches its threshold with the last child's.
         """
-        held = self._reads_to_hold.get(req_id)
+        held, _ = self._reads_to_hold.get(req_id, (None, per_reader))
         if held is None:
             held = len(self.others(req_id, registered)) * per_reader
             if len(self._reads_to_hold) >= self.limit:
                 del self._reads_to_hold[next(iter(self._reads_to_hold))]
         holding = min(held, notifications)
-        self._reads_to_hold[req_id] = held - holding
+        self._reads_to_hold[req_id] = (held - holding, per_reader)
         return notifications - holding
+
+    def child_read(self, req_id: str) -> bool:
+        """Whether the notifications of ``req_id`` held back so far (``reads``) are
+        whole decode children's: every decode rank of the last child that read it
+        has notified, and the request is kept for the other children."""
+        entry = self._reads_to_hold.get(req_id)
+        return entry is not None and entry[0] % entry[1] == 0
 
     def pulled(
         self,
