@@ -105,13 +105,12 @@ class NixlBaseConnectorWorker:
         and its siblings, live on the other children's heartbeats from now on:
         their expiry ends at most one lease extension after this read.
 
-        Invariant (issue 27 of vllm-patches): every request is released within
-        one lease of its last reader, unless a heartbeat renews it. Heartbeats
-        only extend to their own time plus the extension, so this shortens
-        nothing they set; it ends a longer hold at the read's notification
-        (F8's hold of a prompt under READ), which would otherwise outlast a
-        decoder killed after its READ. Releases without leases (v0.21 and
-        older) keep their timeout."""
+        Invariant: every request is released within one lease of its last
+        reader, unless a heartbeat renews it. Heartbeats only extend to their
+        own time plus the extension, so this shortens nothing they set; it
+        ends a longer hold at the read's notification (the hold of a prompt
+        under READ), which would otherwise outlast a decoder killed after its
+        READ. Releases without leases (v0.21 and older) keep their timeout."""
         extension = getattr(self, "_lease_extension", None)
         if extension is None:
             return
@@ -215,7 +214,8 @@ class NixlBaseConnectorWorker:
                 # The READ's notifications are in (they can come before the mark:
                 # the decoder posts its READs before it sends the step's
                 # heartbeats, which repeat the mark while other children wait),
-                # and F2 keeps the request for those children: no READ to hold.
+                # and the release of parallel-sampling siblings keeps the request
+                # for those children: no READ to hold.
                 continue
             if expires is not None and expires < hold_until:
                 self._reqs_to_send[req_id] = hold_until
