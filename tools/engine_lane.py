@@ -76,11 +76,14 @@ class EngineSettings:
 # Every per-release difference, by the first release it applies to; a release takes the
 # entry of the newest first release not after it (``engine_settings``).
 ENGINE_SETTINGS = {
-    # Every test but the load scenario's, which takes minutes per mode and exercises
-    # the lease-based release of the newer layout.
+    # What only the older layout (nixl/worker.py, release by timeout) can show in an
+    # engine: F1 (upstream from v0.24) and F3's worker-level race. The NIXL pair ran
+    # here too until 2026-11-26 (449 s of this lane's 710 s in the clean-clone run of
+    # c54e71d, every test passing); it runs on v0.32.0, the lanes prove F2 and F5 on
+    # this layout (v0.21.0, v0.23.0), and `tools/engine_lane.py --release v0.21.0
+    # tests/e2e/test_f2_f3_nixl_pair.py` runs it here again. Cut for CI's budget.
     Version("0.18.0"): EngineSettings(tests=(
-        "tests/e2e/test_f1_cross_group.py", "tests/e2e/test_f2_f3_nixl_pair.py",
-        "tests/e2e/test_f3_early_notification.py")),
+        "tests/e2e/test_f1_cross_group.py", "tests/e2e/test_f3_early_notification.py")),
     # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
     # pair, plainly and through MultiConnector, the load scenario and the fault matrix
     # (leases); its engines' processes show the plugin line. F1 is upstream from v0.24 (and its scenario's
