@@ -15,16 +15,34 @@ NIXL push mode (v0.24+), worker side:
   is stripped (``get_base_request_id``, the key ``_pop_matching_registration``
   and ``_pop_matching_finished_blocks`` use). A push decoder's heartbeats also
   name its own request ids (``nixl/push_scheduler.py``).
+- F11 (decoder and producer side): a decoder request that finished before it was scheduled (its
+  receive has no blocks and no registration) is dropped from
+  ``_recving_metadata`` and named to the producer in a marked heartbeat entry
+  (``HB:push-release/<id>``, which a producer without the fix ignores); the
+  producer's writer releases the finished request it pairs with as a
+  registration would (``PushReleases``), or stages the release until that
+  request finishes, and the engine thread reports it done sending.
 """
 
+import queue
+import time
+from concurrent.futures import Future
 from functools import cached_property
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     ReqId,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
-from vllm_patches._overlay import amend, call_at_end_of, redirect_call_in
+from vllm_patches._overlay import (
+    add,
+    amend,
+    call_at_end_of,
+    filter_call_in,
+    filter_result_of,
+    redirect_call_in,
+)
 
 
 @amend("F9", ">=0.24.0")
@@ -112,3 +130,348 @@ class NixlPushConnectorWorker:
             for held_id in by_base.get(get_base_request_id(req_id), ())
         )
         return [held_id for held_id in dict.fromkeys(paired) if held_id not in named]
+
+
+@add("F11", ">=0.24.0")
+class PushReleases:
+    """Releases a NIXL push producer received from decoders, on its writer thread.
+
+    A release names a decoder request that will never register (it finished
+    before it was scheduled). It is paired with the producer's requests as the
+    request's registration would have been: by the id, or else by the id without
+    its random suffix (``get_base_request_id``). One that pairs with no finished
+    request yet (the producer is still prefilling, or its finished blocks have
+    not reached the writer) is staged until such a request arrives, for at most
+    ``hold`` seconds. Each decoder request id is acted on once in that time: every
+    decoder rank sends the same release, and only the first may stage one.
+    """
+
+    def __init__(self, hold: float) -> None:
+        self.hold = hold
+        # Decoder request ids acted on, with their deadline; insertion order is
+        # deadline order (the hold is constant, the clock monotonic).
+        self._seen: dict[str, float] = {}
+        # Staged decoder request ids by their base id, oldest first.
+        self._staged: dict[str, list[str]] = {}
+
+    def first(self, decoder_req_id: str, now: float) -> bool:
+        """Whether this release is the first for ``decoder_req_id`` (recorded)."""
+        self.expire(now)
+        if decoder_req_id in self._seen:
+            return False
+        self._seen[decoder_req_id] = now + self.hold
+        return True
+
+    def stage(self, decoder_req_id: str) -> None:
+        """Keep a release that pairs with no finished request yet."""
+        base = get_base_request_id(decoder_req_id)
+        self._staged.setdefault(base, []).append(decoder_req_id)
+
+    def claim(self, request_id: str, now: float) -> str | None:
+        """The staged release a newly finished request pairs with (taken), if any."""
+        if not self._staged:
+            return None
+        self.expire(now)
+        base = get_base_request_id(request_id)
+        staged = self._staged.get(base)
+        if not staged:
+            return None
+        decoder_req_id = request_id if request_id in staged else staged[0]
+        staged.remove(decoder_req_id)
+        if not staged:
+            del self._staged[base]
+        return decoder_req_id
+
+    def expire(self, now: float) -> None:
+        """Forget the releases whose hold passed; staged ones are dropped (the
+        producer's lease then frees what they would have released)."""
+        seen = self._seen
+        while seen:
+            decoder_req_id, deadline = next(iter(seen.items()))
+            if deadline > now:
+                return
+            del seen[decoder_req_id]
+            base = get_base_request_id(decoder_req_id)
+            staged = self._staged.get(base)
+            if staged and decoder_req_id in staged:
+                staged.remove(decoder_req_id)
+                if not staged:
+                    del self._staged[base]
+
+
+@amend("F11", ">=0.24.0")
+class NixlPushConnectorWorker:
+    """F11: a decoder request that never registers releases the producer's prompt."""
+
+    # A release is a heartbeat entry with this mark: "HB:<mark><decoder request
+    # id>". A producer without this fix looks the entry up as a request id it
+    # holds, finds none and ignores it, as it ignores any heartbeat for a request
+    # it does not hold.
+    _PUSH_RELEASE_MARK = "push-release/"
+
+    @cached_property
+    def _push_release_enabled(self) -> bool:
+        """kv_connector_extra_config["release_unregistered_push_requests"]
+        (default true); off, a decoder sends no release and a producer lets the
+        ones it receives through to _handle_heartbeat, which ignores them."""
+        config = getattr(self, "kv_transfer_config", None)
+        if config is None:
+            return True
+        return bool(
+            config.get_from_extra_config("release_unregistered_push_requests", True)
+        )
+
+    @cached_property
+    def _push_release_outbox(self) -> queue.Queue[tuple[str, tuple[Any, ...]]]:
+        """Decoder: releases to send, from the engine thread to the writer."""
+        return queue.Queue()
+
+    @cached_property
+    def _push_released(self) -> queue.Queue[str]:
+        """Producer: requests the writer released, for the engine thread."""
+        return queue.Queue()
+
+    @cached_property
+    def _push_releases(self) -> "PushReleases":
+        """Producer, writer thread: the releases received, each kept for at
+        most the producer's own lease (kv_lease_duration)."""
+        config = getattr(self, "kv_transfer_config", None)
+        if config is None:
+            return PushReleases(hold=30.0)
+        lease = config.get_from_extra_config("kv_lease_duration", 30)
+        return PushReleases(hold=float(lease))
+
+    @cached_property
+    def _push_release_claimed(self) -> list[str]:
+        """Producer, writer thread: finished requests a staged release claimed in
+        this pass of the writer loop."""
+        return []
+
+    @call_at_end_of("__init__")
+    def _init_push_releases(self) -> None:
+        """Make the state both threads share before the writer starts (the
+        properties above also serve workers built without __init__)."""
+        _ = (self._push_release_enabled, self._push_release_outbox)
+        _ = (self._push_released, self._push_releases, self._push_release_claimed)
+
+    # --- Decoder side --------------------------------------------------- #
+
+    @call_at_end_of("start_load_kv")
+    def _release_unregistered(self, metadata: NixlConnectorMetadata) -> None:
+        """A receive with no blocks and no registration in the same step is the
+        one request_finished stages for a request that finished before it was
+        scheduled: nothing will ever be pushed for it. Drop it here (upstream
+        keeps it in _recving_metadata for good; reporting it done would name a
+        request the scheduler no longer has) and tell the producer, from the
+        writer thread, that the prompt it holds for this request can go."""
+        queued = False
+        for req_id, meta in metadata.reqs_to_recv.items():
+            if req_id in metadata.push_registrations or any(meta.local_block_ids):
+                continue
+            if self._recving_metadata.pop(req_id, None) is None:
+                continue
+            if not self._push_release_enabled or meta.remote is None:
+                continue
+            remote = meta.remote
+            target = (
+                remote.engine_id,
+                remote.host,
+                remote.port,
+                meta.tp_size,
+                getattr(meta, "pp_size", 1),
+            )
+            self._push_release_outbox.put((req_id, target))
+            queued = True
+        if queued:
+            self._push_writer_wake.set()
+
+    def _send_push_releases(self) -> None:
+        """Writer thread: send the queued releases, each once the handshake with
+        its producer is done (started here if needed, as for a registration)."""
+        while True:
+            try:
+                req_id, target = self._push_release_outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send_push_release(req_id, target)
+
+    def _send_push_release(self, req_id: str, target: tuple[Any, ...]) -> None:
+        engine_id = target[0]
+        fut = self._push_release_handshake(*target)
+        if fut is not None:
+
+            def _on_handshake(
+                f: Future[Any], rid: str = req_id, tgt: tuple[Any, ...] = target
+            ) -> None:
+                if f.exception() is not None:
+                    # Logged by the handshake; the producer's lease frees the prompt.
+                    return
+                self._push_release_outbox.put((rid, tgt))
+                self._push_writer_wake.set()
+
+            fut.add_done_callback(_on_handshake)
+            return
+        with self._handshake_lock:
+            agents = list((self._remote_agents.get(engine_id) or {}).values())
+        notif_msg = f"HB:{self._PUSH_RELEASE_MARK}{req_id}".encode()
+        for agent_name in agents:
+            try:
+                self.nixl_wrapper.send_notif(agent_name, notif_msg=notif_msg)
+            except Exception:
+                logger.debug(
+                    "Failed to send the release of request %s to engine %s",
+                    req_id,
+                    engine_id,
+                    exc_info=True,
+                )
+        logger.debug("Sent the release of request %s to engine %s", req_id, engine_id)
+
+    # --- Producer side -------------------------------------------------- #
+
+    @filter_call_in("_push_writer_loop", "self.nixl_wrapper.get_new_notifs")
+    def _take_push_releases(
+        self, notifs: dict[str, list[bytes]]
+    ) -> dict[str, list[bytes]]:
+        """Writer thread, once per pass: release what staged releases claimed,
+        take the releases among the new notifications (the rest go on as
+        upstream routes them), and send this engine's own releases."""
+        for request_id in self._push_release_claimed:
+            if self._push_finished_blocks.pop(request_id, None) is not None:
+                self._release_pushed_request(request_id)
+        self._push_release_claimed.clear()
+        kept = notifs
+        if self._push_release_enabled:
+            kept = self._without_push_releases(notifs)
+        try:
+            self._send_push_releases()
+        except Exception:
+            # Never lose the notifications this pass fetched; the producer's lease
+            # frees what a release that was not sent would have freed.
+            logger.exception("Sending KV releases to a producer failed")
+        return kept
+
+    def _without_push_releases(
+        self, notifs: dict[str, list[bytes]]
+    ) -> dict[str, list[bytes]]:
+        """Act on the releases among ``notifs``; the notifications without them."""
+        mark = b"HB:" + self._PUSH_RELEASE_MARK.encode()
+        if not any(n.startswith(mark) for msgs in notifs.values() for n in msgs):
+            return notifs
+        kept: dict[str, list[bytes]] = {}
+        for agent_name, messages in notifs.items():
+            rest = []
+            for notif in messages:
+                if not notif.startswith(mark):
+                    rest.append(notif)
+                    continue
+                plain = self._on_push_release(notif)
+                if plain:
+                    # Heartbeat entries sent with the release still renew leases.
+                    rest.append(("HB:" + ",".join(plain)).encode())
+            kept[agent_name] = rest
+        return kept
+
+    def _on_push_release(self, notif: bytes) -> list[str]:
+        """Release the finished request each marked entry's decoder request
+        (which will never register) pairs with, or stage the release if none
+        does yet; returns the entries that are not releases."""
+        entries = notif[3:].decode("utf-8", errors="replace").split(",")
+        mark = self._PUSH_RELEASE_MARK
+        now = time.perf_counter()
+        plain = []
+        for entry in entries:
+            if not entry.startswith(mark):
+                plain.append(entry)
+                continue
+            decoder_req_id = entry[len(mark) :]
+            if not self._push_releases.first(decoder_req_id, now):
+                continue
+            match = self._pop_matching_finished_blocks(decoder_req_id)
+            if match is None:
+                self._push_releases.stage(decoder_req_id)
+            else:
+                self._release_pushed_request(match[0])
+        return plain
+
+    @redirect_call_in("_push_writer_loop", "self._pop_matching_registration")
+    def _pair_or_claim(self, request_id: str) -> dict[str, Any] | None:
+        """A newly finished request is pushed to the registration it pairs with;
+        with none, a staged release may claim it (released in this pass)."""
+        registration = self._pop_matching_registration(request_id)
+        claimed = None
+        if registration is None:
+            claimed = self._push_releases.claim(request_id, time.perf_counter())
+        if claimed is not None:
+            self._push_release_claimed.append(request_id)
+        return registration
+
+    def _release_pushed_request(self, request_id: str) -> None:
+        """Hand a request no decoder will register for to the engine thread."""
+        logger.debug(
+            "Releasing KV blocks for request %s: its decode request finished "
+            "without registering.",
+            request_id,
+        )
+        self._push_released.put(request_id)
+
+    @filter_result_of("_get_new_notifs")
+    def _with_released_requests(self, notified: set[str]) -> set[str]:
+        """Engine thread: report the released requests done sending (their
+        blocks are freed), unless their lease already released them."""
+        released = self._push_released
+        while not released.empty():
+            try:
+                request_id = released.get_nowait()
+            except queue.Empty:
+                break
+            if self._reqs_to_send.pop(request_id, None) is None:
+                continue
+            self._reqs_to_process.discard(request_id)
+            self.consumer_notification_counts_by_req.pop(request_id, None)
+            notified.add(request_id)
+        return notified
+
+
+@amend("F11", ">=0.24.0,<0.26.0")
+class NixlPushConnectorWorker:
+    """F11: the handshake a release needs, up to v0.25."""
+
+    def _push_release_handshake(
+        self, engine_id: str, host: str, port: int, tp_size: int, pp_size: int
+    ) -> Future[Any] | None:
+        return self._ensure_handshake(engine_id, host, port, tp_size)
+
+
+@amend("F11", ">=0.26.0,<0.27.0")
+class NixlPushConnectorWorker:
+    """F11: the handshake a release needs, v0.26 (as a registration's)."""
+
+    def _push_release_handshake(
+        self, engine_id: str, host: str, port: int, tp_size: int, pp_size: int
+    ) -> Future[Any] | None:
+        return self._ensure_handshake(
+            engine_id,
+            host,
+            port,
+            tp_size,
+            pp_size=pp_size,
+            notif_agents_only=pp_size > 1,
+        )
+
+
+@amend("F11", ">=0.27.0")
+class NixlPushConnectorWorker:
+    """F11: the handshake a release needs, from v0.27 (as a registration's:
+    notification agents only)."""
+
+    def _push_release_handshake(
+        self, engine_id: str, host: str, port: int, tp_size: int, pp_size: int
+    ) -> Future[Any] | None:
+        return self._ensure_handshake(
+            engine_id,
+            host,
+            port,
+            tp_size,
+            pp_size=pp_size,
+            notif_agents_only=True,
+        )
