@@ -49,7 +49,9 @@ def test_each_covered_release_has_its_patches_numbered_k_of_n(release):
     assert len(patches) == len(SERIES.applicable(release))
     for number, patch in enumerate(patches, start=1):
         subject = re.search(r"^Subject: (\[PATCH[^\]]*\])", patch.read_text(), re.MULTILINE)
-        expected = f"[PATCH {number}/{len(patches)}]" if len(patches) > 1 else "[PATCH]"
+        # git pads k to the width of n ("[PATCH 01/10]"), as mailing lists expect.
+        width = len(str(len(patches)))
+        expected = f"[PATCH {number:0{width}}/{len(patches)}]" if len(patches) > 1 else "[PATCH]"
         assert subject and subject.group(1) == expected, patch
         assert f"Base: vLLM v{release} (" in patch.read_text()
 
