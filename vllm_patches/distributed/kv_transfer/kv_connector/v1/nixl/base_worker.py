@@ -204,12 +204,12 @@ class NixlBaseConnectorWorker:
         if mark not in payload or self._read_hold_limit <= 0:
             return
         hold_until = time.perf_counter() + self._read_hold_limit
+        siblings = getattr(self, "_best_of_siblings", None)
         for entry in payload.split(","):
             if not entry.startswith(mark):
                 continue
             req_id = entry[len(mark) :]
             expires = self._reqs_to_send.get(req_id)
-            siblings = getattr(self, "_best_of_siblings", None)
             if siblings is not None and siblings.child_read(req_id):
                 # The READ's notifications are in (they can come before the mark:
                 # the decoder posts its READs before it sends the step's
