@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import fcntl
 import hashlib
 import json
 import os
@@ -118,18 +119,23 @@ def cached_venv(venv: Path, wanted: str, installs: list[list[str]], label: str) 
     stamp = hashlib.sha256((wanted + json.dumps(UV_INSTALL_FLAGS)).encode()).hexdigest()
     python = venv / "bin" / "python"
     stamp_file = venv / ".requirements-sha256"
-    if stamp_file.is_file() and stamp_file.read_text() == stamp:
-        return python
-    log(f"{label}: creating {venv}")
-    shutil.rmtree(venv, ignore_errors=True)
-    # --seed: pip in the venv, as ``python -m venv`` made it (for whoever debugs in it).
-    subprocess.run([sys.executable, "-m", "uv", "venv", "--quiet", "--seed", "--python",
-                    sys.executable, str(venv)], check=True)
-    for args in installs:
-        problem = uv_pip_install(python, args)
-        if problem:
-            raise SystemExit(f"{label}: {problem}")
-    stamp_file.write_text(stamp)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    # One maker per venv: tools/test.sh runs the lanes and the export check side by side,
+    # and both need each release's venv; the second waits, then finds it made.
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp_file.is_file() and stamp_file.read_text() == stamp:
+            return python
+        log(f"{label}: creating {venv}")
+        shutil.rmtree(venv, ignore_errors=True)
+        # --seed: pip in the venv, as ``python -m venv`` made it (for whoever debugs in it).
+        subprocess.run([sys.executable, "-m", "uv", "venv", "--quiet", "--seed", "--python",
+                        sys.executable, str(venv)], check=True)
+        for args in installs:
+            problem = uv_pip_install(python, args)
+            if problem:
+                raise SystemExit(f"{label}: {problem}")
+        stamp_file.write_text(stamp)
     return python
 
 
