@@ -117,7 +117,10 @@ def check_tests(release: Version, series: _series.Series, fixes: list[_series.Fi
         if fix.id not in exported:
             continue
         tree, _ = exported[fix.id]
-        for test in fix.tests:  # the tests as exported, not as this repository has them
+        # The tests as exported, not as this repository has them; those of the fixes it
+        # requires too (a fix test may build on theirs: F12's on F11's push pair).
+        tests = [t for f in series.with_requirements(fix) for t in f.tests]
+        for test in tests:
             shown = subprocess.run(["git", "-C", str(tree), "show", f"HEAD:{test}"],
                                    capture_output=True, text=True, check=True).stdout
             (stock / test).parent.mkdir(parents=True, exist_ok=True)

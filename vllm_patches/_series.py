@@ -172,6 +172,16 @@ def _pull_request_fields(data: dict, path: Path) -> dict[str, object]:
             "pr_relation": export.get("relation", "").strip()}
 
 
+def _run_time_requirements(data: dict, path: Path) -> tuple[str, ...]:
+    """``requires_at_run_time``: a part of ``requires``."""
+    at_run_time = tuple(data.get("requires_at_run_time", ()))
+    stray = set(at_run_time) - set(data.get("requires", ()))
+    if stray:
+        raise ValueError(f"{path}: requires_at_run_time names {', '.join(sorted(stray))}, "
+                         "which requires does not")
+    return at_run_time
+
+
 @dataclass(frozen=True)
 class Fix:
     """One fix of the series, as its metadata file declares it."""
@@ -200,6 +210,10 @@ class Fix:
     # under vllm_patches/): the fix's patch carries the amended tests.
     test_overlays: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()  # ids of the fixes this one is built on, applied before it
+    # Of ``requires``, those the fix needs only when it runs, not for its patch to apply
+    # (tests/tool/test_dependencies.py proves the others on the patches; the fix's own
+    # tests prove these, failing without them).
+    requires_at_run_time: tuple[str, ...] = ()
     # The pull request `export` sends for this fix and what it requires (``export.*``):
     # its title when that is a series of several commits, its purpose and details per
     # base (``on(release).words``), and how it relates to the open upstream PR ``pr``
@@ -231,6 +245,7 @@ class Fix:
             upstream_since=Version(data["upstream_since"]) if data["upstream_since"] else None,
             future=data["future"],
             requires=tuple(data.get("requires", ())),
+            requires_at_run_time=_run_time_requirements(data, path),
             overlays=tuple(data["overlays"]),
             tests=tuple(data["tests"]),
             stock_fails=tuple(data["stock_fails"]),

@@ -214,11 +214,16 @@ class Engine:
         self.scheduler.add_request(request)
         return request
 
-    def add_decode(self, request_id: str, producer: "Engine") -> Request:
-        """A decode leg as a push proxy sends it: no remote block ids."""
+    def add_decode(
+        self, request_id: str, producer: "Engine", same_prompt: bool = False
+    ) -> Request:
+        """A decode leg as a push proxy sends it: no remote block ids. With
+        ``same_prompt``, the prompt every such request has (the children of one
+        parallel-sampling request)."""
         request = create_request(
             block_size=self.block_size,
             num_tokens=NUM_TOKENS,
+            common_prefix_len=NUM_TOKENS if same_prompt else 0,
             do_remote_prefill=True,
         )
         request.request_id = request_id

@@ -8,6 +8,7 @@
   (``nixl/connector.py`` overlay). It lives here, not in the connector module:
   nothing in it is NIXL's, and on v0.18 - v0.19 the connector module also takes
   F2's and F3's additions, which a fix exported alone must not depend on.
+- F12: ``PromptWrites``, the same for push mode's registrations (v0.24+).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from vllm_patches._overlay import add
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
 
@@ -60,18 +62,36 @@ class PromptReads:
       (``finished``): nothing outlives the requests that use it.
     """
 
+    # A pull decode leg names the remote blocks it reads (the prefill's response
+    # lists them); one without them reads nothing.
+    names_remote_blocks = True
+
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._reads: dict[tuple[str, str], _PromptRead] = {}
         self._prompt_of: dict[str, tuple[str, str]] = {}
 
-    @staticmethod
-    def prompt(request: "Request") -> tuple[str, str] | None:
-        """The remote prompt ``request`` is still to pull, or None."""
+    @classmethod
+    def for_decoder(
+        cls, vllm_config: "VllmConfig", switch: str
+    ) -> "PromptReads | None":
+        """The instance a decoder's connector scheduler asks; None when
+        kv_connector_extra_config[switch] is false or the decoder has no prefix
+        cache to serve the other requests from."""
+        cache_config = vllm_config.cache_config
+        assert vllm_config.kv_transfer_config is not None
+        switched_on = vllm_config.kv_transfer_config.get_from_extra_config(switch, True)
+        if not switched_on or not cache_config.enable_prefix_caching:
+            return None
+        return cls(block_size=cache_config.block_size)
+
+    @classmethod
+    def prompt(cls, request: "Request") -> tuple[str, str] | None:
+        """The remote prompt ``request`` is still to receive, or None."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return None
-        if not params.get("remote_block_ids"):
+        if cls.names_remote_blocks and not params.get("remote_block_ids"):
             return None
         engine_id = params.get("remote_engine_id")
         remote_id = params.get("remote_request_id")
@@ -126,3 +146,58 @@ class PromptReads:
         read.members.discard(request.request_id)
         if not read.members:
             del self._reads[prompt]
+
+
+@add("F12", ">=0.28.0")
+class PromptWrites(PromptReads):
+    """Push mode (v0.24+): which of the decoder's requests registers its blocks
+    for a remote prompt, so that the producer WRITEs it once.
+
+    The same invariants as PromptReads, with "registers" for "reads": the
+    children of an ``n > 1`` decode leg carry one remote request id (the push
+    proxy's X-Request-Id), one of them registers, and the others wait until the
+    WRITE into its blocks completed (the scheduler caches them then), take the
+    prompt from the prefix cache and compute what is left of it, at most a block.
+    A push decode leg names no remote blocks: the producer pairs the
+    registration with its own request and WRITEs from that request's blocks.
+
+    One more invariant: once a registration of a prompt failed (the reader
+    finished with an error: the registration watchdog gave up, nothing was
+    WRITten), nobody registers for that prompt again; the others compute it
+    themselves (answer 0 tokens). Registering again would wait out another
+    watchdog for each child in turn, n times push_registration_timeout, for a
+    prompt the producer did not serve once (seen in a real pair: the client
+    of an n = 4 request gave up before the second child's watchdog).
+    """
+
+    names_remote_blocks = False
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self._failed: set[tuple[str, str]] = set()
+
+    def local_answer(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool] | None:
+        """PromptReads' answer, and 0 tokens for a prompt whose registration
+        failed."""
+        prompt = self.prompt(request)
+        if prompt in self._failed:
+            self._reads[prompt].members.add(request.request_id)
+            self._prompt_of[request.request_id] = prompt
+            return 0, False
+        return super().local_answer(request, num_computed_tokens)
+
+    def finished(self, request: "Request") -> None:
+        """PromptReads' bookkeeping; a reader that finished with an error marks
+        its prompt failed, until no request uses the prompt."""
+        from vllm.v1.request import RequestStatus
+
+        prompt = self._prompt_of.get(request.request_id)
+        if prompt is not None:
+            reader = self._reads[prompt].reader
+            if reader is request and request.status == RequestStatus.FINISHED_ERROR:
+                self._failed.add(prompt)
+        super().finished(request)
+        if prompt is not None and prompt not in self._reads:
+            self._failed.discard(prompt)

@@ -9,6 +9,9 @@ NIXL consumer (decode) scheduler side, pull mode:
   transfers of one prompt. One child reads; the others wait for that read, take
   the prompt from the decoder's prefix cache and notify the producer as a full
   local prefix hit does (``PromptReads``, added to ``kv_connector/utils.py``).
+- F12: the same for push mode (v0.24+): one child registers its blocks and gets
+  the producer's WRITE, the others take the prompt from the prefix cache once it
+  landed (``PromptWrites``).
 
 v0.20 - v0.23: ``NixlConnector`` here; from v0.24 the scheduler-side methods live
 in ``NixlBaseConnector`` and the pull connector is ``NixlPullConnector``; up to
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.utils import PromptReads
+from vllm.distributed.kv_transfer.kv_connector.utils import PromptReads, PromptWrites
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_patches._overlay import amend, call_at_end_of, redirect_call_in
 
@@ -34,9 +37,10 @@ if TYPE_CHECKING:
 class NixlBaseConnector:
     """F5: the scheduler-side calls go through PromptReads."""
 
-    # Set by the pull connector's scheduler role when a prompt is read once; None
-    # (each request reads, as upstream) for push connectors (v0.24+), worker roles,
-    # a decoder without prefix caching and read_prompt_once false.
+    # Set by the pull connector's scheduler role when a prompt is read once (and by
+    # the push connector's when it is written once); None (each request reads or
+    # registers, as upstream) for worker roles, a decoder without prefix caching,
+    # and read_prompt_once (write_prompt_once) false.
     _prompt_reads: "PromptReads | None" = None
 
     @redirect_call_in(
@@ -90,12 +94,25 @@ class NixlPullConnector:
         """One reader per remote prompt, unless switched off
         (kv_connector_extra_config["read_prompt_once"]) or the decoder has no
         prefix cache to serve the other requests from."""
-        if role != KVConnectorRole.SCHEDULER:
-            return
-        cache_config = vllm_config.cache_config
-        assert vllm_config.kv_transfer_config is not None
-        switched_on = vllm_config.kv_transfer_config.get_from_extra_config(
-            "read_prompt_once", True
-        )
-        if switched_on and cache_config.enable_prefix_caching:
-            self._prompt_reads = PromptReads(block_size=cache_config.block_size)
+        if role == KVConnectorRole.SCHEDULER:
+            self._prompt_reads = PromptReads.for_decoder(
+                vllm_config, "read_prompt_once"
+            )
+
+
+@amend("F12", ">=0.28.0")
+class NixlPushConnector:
+    """F12: the push connector's scheduler role decides who registers for a
+    prompt."""
+
+    @call_at_end_of("__init__")
+    def _init_prompt_writes(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole
+    ) -> None:
+        """One registration per remote prompt, unless switched off
+        (kv_connector_extra_config["write_prompt_once"]) or the decoder has no
+        prefix cache to serve the other requests from."""
+        if role == KVConnectorRole.SCHEDULER:
+            self._prompt_reads = PromptWrites.for_decoder(
+                vllm_config, "write_prompt_once"
+            )

@@ -18,6 +18,12 @@ NIXL push mode (v0.24+), decoder scheduler side:
   no producer request; the decoder's own id is the one its registration
   carries, and the producer pairs it with its own request by the id without its
   random suffix (``nixl/push_worker.py`` renews the lease by that key too).
+- F12: a decode request that takes its whole prompt from the local prefix cache
+  (a child whose sibling registered and got the prompt's WRITE, ``PromptWrites``
+  in ``kv_connector/utils.py``) stages the empty receive that tells the producer
+  to release what it holds for it (F11's release), as the pull scheduler does for
+  a full local hit; upstream's push scheduler stages nothing then, and the
+  producer held the prompt until its lease.
 """
 
 from __future__ import annotations
@@ -149,3 +155,39 @@ class NixlPushConnectorScheduler:
             for engine_id, info in meta.heartbeat_by_engine.items()
         }
         return meta
+
+
+@amend("F12", ">=0.28.0")
+class NixlPushConnectorScheduler:
+    """F12: a decode request served from the local prefix cache releases the
+    producer's prompt at once."""
+
+    @cached_property
+    def _release_prompt_of_local_hit(self) -> bool:
+        """kv_connector_extra_config["write_prompt_once"] (default true); a cached
+        property, so schedulers built without __init__ (tests) have it too."""
+        vllm_config = getattr(self, "vllm_config", None)
+        config = getattr(vllm_config, "kv_transfer_config", None)
+        if config is None:
+            return True
+        return bool(config.get_from_extra_config("write_prompt_once", True))
+
+    @call_at_end_of("update_state_after_alloc")
+    def _release_remote_prompt_of_local_hit(self, request: Request) -> None:
+        """A decode request still marked do_remote_prefill after
+        update_state_after_alloc had nothing to receive (upstream unmarks every
+        request it registers): its prompt came from the local prefix cache. Stage
+        the empty receive that request_finished stages for a request that never
+        registers, now rather than when it finishes (its decode may outlast the
+        producer's lease), and unmark it so that request_finished stages none."""
+        params = request.kv_transfer_params
+        if (
+            not self._release_prompt_of_local_hit
+            or not params
+            or not params.get("do_remote_prefill")
+        ):
+            return
+        params["remote_block_ids"] = ()
+        self._reqs_need_recv[request.request_id] = (request, [], (), False)
+        self._stop_heartbeat(request.request_id)
+        params["do_remote_prefill"] = False
