@@ -86,13 +86,15 @@ ENGINE_SETTINGS = {
         "tests/e2e/test_f1_cross_group.py", "tests/e2e/test_f3_early_notification.py")),
     # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
     # pair, plainly and through MultiConnector, the load scenario and the fault matrix
-    # (leases); its engines' processes show the plugin line. F1 is upstream from v0.24 (and its scenario's
+    # (leases), and the push pair (NixlPushConnector, v0.24+); its engines' processes
+    # show the plugin line. F1 is upstream from v0.24 (and its scenario's
     # layout assumes 16-token blocks); F3's worker-level race is proven by the v0.21.0
     # lane and the fix tests.
     Version("0.30.0"): EngineSettings(block_size=32, excluded=("torchcodec",),
                                       tests=("tests/e2e/test_f2_f3_nixl_pair.py",
                                              "tests/e2e/test_f2_load.py",
-                                             "tests/e2e/test_pd_faults.py"),
+                                             "tests/e2e/test_pd_faults.py",
+                                             "tests/e2e/test_nixl_push_pair.py"),
                                       pair_connectors=("NixlConnector", "MultiConnector"),
                                       quiet_roles=("API server",)),
 }

@@ -63,6 +63,13 @@ def plugin_line_problems(log: Path, expected: str, quiet: tuple[str, ...] = ()
 # ------------------------------------------------------------------------------- F1
 
 
+def pair_plugin_line_problems(run_dir: Path, expected: str, quiet: tuple[str, ...] = ()
+                              ) -> list[str]:
+    """``plugin_line_problems`` of both engines of a pair run in ``run_dir``."""
+    return [problem for engine in ("producer", "decoder")
+            for problem in plugin_line_problems(run_dir / f"{engine}.log", expected, quiet)]
+
+
 def blocks_in_several_groups(block_ids: list[list[int]]) -> dict[int, list[int]]:
     """Physical block id -> the KV-cache groups holding it, for every block (other than
     the null block 0) that more than one group holds: vllm#33775."""

@@ -1,5 +1,6 @@
-"""NIXL push mode (``NixlPushConnector``, vLLM v0.24+) in a real pair, stock engines:
-the exploration of issue 28, step 1 (``scenarios.nixl_push`` runs ``run``).
+"""NIXL push mode (``NixlPushConnector``, vLLM v0.24+) in a real pair: the exploration
+of issue 28 (docs/push-mode.md) and the CI pair of ``test_nixl_push_pair.py``, stock
+and fixed (``scenarios.nixl_push`` runs ``run``).
 
 Push mode turns the transfer around: the decoder registers its freshly allocated blocks
 with the producer (a ``PUSH_REG:`` NIXL notification), and the producer WRITEs the
@@ -10,7 +11,7 @@ and ``do_remote_decode``; the decoder gets ``do_remote_prefill`` with the produc
 engine id, side-channel host and port, TP/PP sizes and the shared id, and no block ids.
 
 This module drives one pair through the cases that test the issue's reading of the push
-code; it checks nothing and records, per case, the client calls, the producer's WRITEs
+code; it checks nothing (``test_nixl_push_pair.py`` does) and records, per case, the client calls, the producer's WRITEs
 (the probe's ``read`` events with ``op`` WRITE; their notification names the decoder's
 request), the decoder's registrations and heartbeats (its ``notif_sent`` events), the
 producer's NIXL metrics and expiry lines, and both engines' KV usage. Every client call
@@ -47,8 +48,13 @@ LEASE_S = 12
 REGISTRATION_TIMEOUT_S = 20
 PRODUCER_SIDE_PORT = 5600
 DECODER_SEATS = 8
-# A decode leg with no answer after this long is hung.
-HANG_LIMIT_S = 45
+# A decode leg with no answer after this long is hung: past the watchdog, with room for
+# a slow step (a decoder whose watchdog fails the request answers at about 20 s).
+HANG_LIMIT_S = 32
+# busy: how long the busy request and prompt B's client may take (B's children wait
+# for the busy request's seats). The busy request took 27 to 85 s through
+# MultiConnector on this 2-core machine (2026-11-27), 31 to 40 s without it.
+WAIT_LIMIT_S = 4 * HANG_LIMIT_S
 DECODE_TOKENS = 4
 WRITE_NS = (4, 8)
 # busy: the local request's tokens per child (its children hold every seat meanwhile):
@@ -64,25 +70,30 @@ DECODER_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
                    "vllm:num_requests_waiting")
 
 
-def push_config(name: str) -> dict[str, Any]:
+def push_config(name: str, connector: str) -> dict[str, Any]:
     """The KV transfer config of both engines (a fixed engine id: the decoder names the
-    producer's before the producer answers)."""
-    return {"kv_connector": "NixlPushConnector", "kv_role": "kv_both",
-            "kv_buffer_device": "cpu", "engine_id": f"{name}-engine",
-            "kv_connector_extra_config": {
+    producer's before the producer answers): ``NixlPushConnector`` itself, or
+    ``MultiConnector`` with it as its one child (which takes the parent's engine id)."""
+    push = {"kv_connector": "NixlPushConnector", "kv_role": "kv_both",
+            "kv_buffer_device": "cpu", "kv_connector_extra_config": {
                 "kv_lease_duration": LEASE_S,
                 "push_registration_timeout": REGISTRATION_TIMEOUT_S}}
+    if connector == "MultiConnector":
+        return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                "engine_id": f"{name}-engine",
+                "kv_connector_extra_config": {"connectors": [push]}}
+    return {**push, "engine_id": f"{name}-engine"}
 
 
 class PushPair:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, connector: str) -> None:
         self.run_dir = run_dir
         self.producer = nixl_server("producer", run_dir, 8100, PRODUCER_SIDE_PORT, core=0,
-                                    connector="NixlPushConnector", lease=LEASE_S,
-                                    kv_transfer=push_config("producer"))
+                                    connector=connector, lease=LEASE_S,
+                                    kv_transfer=push_config("producer", connector))
         self.decoder = nixl_server("decoder", run_dir, 8200, PRODUCER_SIDE_PORT + 1, core=1,
-                                   connector="NixlPushConnector", lease=LEASE_S,
-                                   kv_transfer=push_config("decoder"),
+                                   connector=connector, lease=LEASE_S,
+                                   kv_transfer=push_config("decoder", connector),
                                    max_num_seqs=DECODER_SEATS)
         self.ready = {"producer_s": round(self.producer.wait_ready(), 1),
                       "decoder_s": round(self.decoder.wait_ready(), 1)}
@@ -204,7 +215,7 @@ def busy_case(pair: PushPair) -> dict[str, Any]:
         busy = pool.submit(call, pair.decoder, {"prompt": tokens_of(1, 3, 7000),
                                                 "n": DECODER_SEATS,
                                                 "max_tokens": BUSY_TOKENS},
-                           limit_s=4 * HANG_LIMIT_S)
+                           limit_s=WAIT_LIMIT_S)
         time.sleep(1.0)
         before_a = sample(pair.producer, PRODUCER_METRICS)
         aborted = legs(pair, "push-abort", tokens_of(2, 3, 8000), 2, 2,
@@ -212,7 +223,7 @@ def busy_case(pair: PushPair) -> dict[str, Any]:
         poke(pair.producer)
         after_a = sample(pair.producer, PRODUCER_METRICS)
         waited = pool.submit(legs, pair, "push-wait", tokens_of(2, 5, 9000), 2, 2,
-                             limit_s=HANG_LIMIT_S + 60)
+                             limit_s=WAIT_LIMIT_S)
         busy_call = busy.result()
         t_busy_done = time.monotonic()
         waited_flow = waited.result()
@@ -230,10 +241,12 @@ CASES = {"writes": writes_case, "mismatch": mismatch_case, "late": late_case,
 
 
 def run(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
-    """Every case of ``args["cases"]`` (all by default) in order on one pair."""
-    pair = PushPair(run_dir)
+    """Every case of ``args["cases"]`` (all by default) in order on one pair of
+    ``args["connector"]`` (``NixlPushConnector`` by default, or ``MultiConnector``)."""
+    pair = PushPair(run_dir, args.get("connector", "NixlPushConnector"))
     record: dict[str, Any] = {"lease_s": LEASE_S, "registration_timeout_s":
-                              REGISTRATION_TIMEOUT_S, "ready": pair.ready, "cases": {}}
+                              REGISTRATION_TIMEOUT_S, "hang_limit_s": HANG_LIMIT_S,
+                              "ready": pair.ready, "cases": {}}
     try:
         record["warmup"] = {**legs(pair, "push-warmup", tokens_of(1, 4, 900), 1, 1, 2,
                                  limit_s=150),

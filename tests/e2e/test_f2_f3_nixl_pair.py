@@ -180,10 +180,8 @@ def test_plugin_line_in_every_process(mode: str, connector: str) -> None:
     server, which runs none of the fixed code, may log nothing where its release loads
     plugins before it configures logging: ``harness.quiet_roles``)."""
     run = burst(mode, connector)
-    expected = activation_line(mode, {})
-    problems = [problem for engine in ("producer", "decoder")
-                for problem in analysis.plugin_line_problems(run.run_dir / f"{engine}.log",
-                                                             expected, quiet_roles())]
+    problems = analysis.pair_plugin_line_problems(run.run_dir, activation_line(mode, {}),
+                                                  quiet_roles())
     assert not problems, problems
 
 

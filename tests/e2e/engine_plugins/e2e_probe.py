@@ -23,8 +23,8 @@ clock on Linux, so the lines of the scheduler and the worker processes compare):
 - worker (``NixlConnector.get_transfer_results``, or ``get_finished`` where it has none: what
   the model runner calls): ``nixl_state``: requests the producer holds and, where a fix
   stages early notifications, how many are staged (when it changes);
-- worker (the model runner's ``execute_model``, wrapped once the NIXL connector registers
-  the KV caches): ``prompt_kv``: the KV a request holds for its prompt, read from the
+- worker (the model runner's ``execute_model``, wrapped once a NIXL connector, pull or
+  push, registers the KV caches): ``prompt_kv``: the KV a request holds for its prompt, read from the
   registered caches right after the step that completed its prompt: a digest of each
   block of it that its last token is not in (every layer).
 
@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -221,7 +222,11 @@ def _probe_nixl() -> None:
     wrap(NixlWrapper, "make_prepped_xfer", make_prepped_xfer)
     wrap(NixlWrapper, "send_notif", make_send_notif)
     wrap(NixlConnector, finished, make_get_finished)
-    wrap(NixlConnector, "register_kv_caches", make_register_kv_caches)
+    # On the base class where there is one (v0.24+), so that the push connector's
+    # engines record their prompts' KV too; NixlConnector is the pull connector there.
+    connectors = sys.modules[NixlConnector.__module__]
+    wrap(getattr(connectors, "NixlBaseConnector", NixlConnector), "register_kv_caches",
+         make_register_kv_caches)
 
 
 def _probe_prompt_kv(kv_caches: dict[str, Any]) -> None:
@@ -283,8 +288,6 @@ def _probe_prompt_kv(kv_caches: dict[str, Any]) -> None:
 
 def _poll_nixl_progress_every(agent_class: type, microseconds: int) -> None:
     """Make every NIXL agent built from now on poll with ``microseconds`` of delay."""
-    import sys
-
     bindings = sys.modules[agent_class.__module__].nixlBind
     make_agent = bindings.nixlAgent
 
