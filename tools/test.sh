@@ -29,7 +29,8 @@ echo "== tool tests"
 echo "== lanes and exported series, side by side (the export check's lines: [export])"
 # Every stage below runs even when an earlier one failed (each is long, and each
 # failure is worth seeing in one CI run); the exit status says whether any failed.
-# Both mostly wait on subprocesses: side by side they save about 8 minutes.
+# Both mostly wait on subprocesses: side by side they saved about 6 minutes
+# (docs/ci.md, the clean-clone run of d5fda4c).
 status=0
 .venv/bin/python tools/export_check.py "$@" > >(sed -u 's/^/[export] /') 2>&1 &
 export_check=$!

@@ -11,11 +11,11 @@ and ``do_remote_decode``; the decoder gets ``do_remote_prefill`` with the produc
 engine id, side-channel host and port, TP/PP sizes and the shared id, and no block ids.
 
 This module drives one pair through the cases that test the issue's reading of the push
-code; it checks nothing (``test_nixl_push_pair.py`` does) and records, per case, the client calls, the producer's WRITEs
-(the probe's ``read`` events with ``op`` WRITE; their notification names the decoder's
-request), the decoder's registrations and heartbeats (its ``notif_sent`` events), the
-producer's NIXL metrics and expiry lines, and both engines' KV usage. Every client call
-is bounded (``HANG_LIMIT_S``): a call without an answer by then counts as hung.
+code; it checks nothing (``test_nixl_push_pair.py`` does) and records, per case, the
+client calls, the producer's WRITEs (the probe's ``read`` events with ``op`` WRITE;
+their notification names the decoder's request), the decoder's registrations and
+heartbeats (its ``notif_sent`` events), the producer's NIXL metrics and expiry lines,
+and both engines' KV usage. Every client call is bounded (``HANG_LIMIT_S``): a call without an answer by then counts as hung.
 
 Cases, in the order they run:
 - ``warmup``: one prompt with n=1 through the pair (the NIXL handshakes);

@@ -24,9 +24,9 @@ clock on Linux, so the lines of the scheduler and the worker processes compare):
   the model runner calls): ``nixl_state``: requests the producer holds and, where a fix
   stages early notifications, how many are staged (when it changes);
 - worker (the model runner's ``execute_model``, wrapped once a NIXL connector, pull or
-  push, registers the KV caches): ``prompt_kv``: the KV a request holds for its prompt, read from the
-  registered caches right after the step that completed its prompt: a digest of each
-  block of it that its last token is not in (every layer).
+  push, registers the KV caches): ``prompt_kv``: the KV a request holds for its prompt,
+  read from the registered caches right after the step that completed its prompt: a
+  digest of each block of it that its last token is not in (every layer).
 
 The NIXL probes are installed only with ``VLLM_PATCHES_E2E_PROBE_NIXL=1``. With
 ``VLLM_PATCHES_E2E_NIXL_KV_CORE=C`` the CPU NIXL worker keeps its main thread on core C

@@ -8,7 +8,7 @@
   (``nixl/connector.py`` overlay). It lives here, not in the connector module:
   nothing in it is NIXL's, and on v0.18 - v0.19 the connector module also takes
   F2's and F3's additions, which a fix exported alone must not depend on.
-- F12: ``PromptWrites``, the same for push mode's registrations (v0.24+).
+- F12: ``PromptWrites``, the same for push mode's registrations (v0.28+).
 """
 
 from __future__ import annotations
