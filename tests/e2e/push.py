@@ -246,6 +246,8 @@ def run(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     pair = PushPair(run_dir, args.get("connector", "NixlPushConnector"))
     record: dict[str, Any] = {"lease_s": LEASE_S, "registration_timeout_s":
                               REGISTRATION_TIMEOUT_S, "hang_limit_s": HANG_LIMIT_S,
+                              "decoder_seats": DECODER_SEATS, "busy_tokens": BUSY_TOKENS,
+                              "abort_after_s": ABORT_AFTER_S,
                               "ready": pair.ready, "cases": {}}
     try:
         record["warmup"] = {**legs(pair, "push-warmup", tokens_of(1, 4, 900), 1, 1, 2,

@@ -80,10 +80,10 @@ RUNS = pytest.mark.parametrize(("mode", "connector"), pair_runs())
 
 
 # Prefill and decode engines are upgraded separately (F5): pairs whose engines run fix
-# sets of their own (``scenarios.fixes_env``; the F2 producer runs every fix but F5), with
-# a roomy decoder (it admits every child of both prompts in one step, so a decoder without
-# F5 READs each prompt in full n times) and no expiry step (a producer that releases
-# everything shows it right after the drain). A new decoder with an F2 producer is the
+# sets of their own (``scenarios.fixes_env``; the F2 producer runs every fix but F5 and
+# those built on it), with a roomy decoder (it admits every child of both prompts in one
+# step, so a decoder without F5 READs each prompt in full n times) and no expiry step (a
+# producer that releases everything shows it right after the drain). A new decoder with an F2 producer is the
 # "fixed" run above: every fix on both engines.
 COMBINATIONS = {
     # Decoders upgraded first: the producers are still stock.
@@ -97,7 +97,11 @@ def combination_fixes(name: str) -> dict[str, str]:
     """Each engine's fix set of combination ``name``, as ``scenarios.fixes_env`` takes it."""
     from vllm_patches import _series
 
-    every_but_f5 = ",".join(fix.id for fix in _series.load().fixes if fix.id != "F5")
+    # Not F5, nor a fix built on it (F12): the plugin refuses a fix set without a fix one
+    # of its fixes requires, and the engine runs stock.
+    series = _series.load()
+    every_but_f5 = ",".join(fix.id for fix in series.fixes
+                            if "F5" not in {f.id for f in series.with_requirements(fix)})
     return {role: every_but_f5 if fixes == "but F5" else fixes
             for role, fixes in COMBINATIONS[name].items()}
 

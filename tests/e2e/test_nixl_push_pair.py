@@ -166,6 +166,16 @@ def test_unserved_registration_fails_at_the_watchdog(mode: str, connector: str) 
             assert usage == 0.0, f"{name}: decoder KV usage {usage} after the failure"
 
 
+def check_seats_held(record: dict, case: dict, since: float, for_s: float) -> None:
+    """The case's premise: the busy request held every decoder seat from ``since`` for
+    more than ``for_s`` seconds, all its samples to their full length."""
+    busy = case["busy"]
+    assert busy["status"] == 200 and \
+        busy["completion_tokens"] == record["decoder_seats"] * record["busy_tokens"], busy
+    assert case["t_busy_done"] - since > for_s, \
+        f"the busy request freed the decoder's seats within {for_s} s: {busy}"
+
+
 @RUNS
 def test_waiting_children_keep_their_prompt(mode: str, connector: str) -> None:
     """F10 (case ``busy``, prompt B): B's decoder children wait for seats longer than the
@@ -177,8 +187,7 @@ def test_waiting_children_keep_their_prompt(mode: str, connector: str) -> None:
     run.check_reached()
     case = run.cases["busy"]
     waited = case["waited"]
-    assert case["t_busy_done"] - waited["t_start"] > run.record["lease_s"], \
-        "the busy request freed its seats within B's lease: nothing to renew"
+    check_seats_held(run.record, case, since=waited["t_start"], for_s=run.record["lease_s"])
     expired = expired_requests(waited["expired_lines"])
     if bug_expected("F10", mode):
         assert len(expired) == waited["d_n"] and waited["writes"] == [], waited
@@ -200,6 +209,8 @@ def test_aborted_children_release_their_prompt(mode: str, connector: str) -> Non
     run = push_run(mode, connector)
     run.check_reached()
     aborted = run.cases["busy"]["aborted"]
+    check_seats_held(run.record, run.cases["busy"], since=aborted["t_start"],
+                     for_s=run.record["abort_after_s"])
     assert aborted["registrations_sent"] == [] and aborted["writes"] == [], aborted
     expired = expired_requests(aborted["expired_lines"])
     releases = [name for beat in run.cases["busy"]["heartbeats"] for name in beat["names"]
