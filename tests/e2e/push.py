@@ -27,7 +27,9 @@ Cases, in the order they run:
 - ``busy``: a local request with n = ``DECODER_SEQS`` takes every decoder seat for
   longer than the lease; meanwhile prompt A's legs (n=2) come and A's client leaves after
   ``ABORT_AFTER_S`` (its children aborted before they were scheduled), and prompt B's legs
-  (n=2) come and B waits (its decoder heartbeats while its children wait for seats).
+  (n=2) come and B waits (its decoder heartbeats while its children wait for seats);
+- ``slow``: one prompt (n=1) whose WRITE the producer's probe reports in flight for
+  ``SLOW_WRITE_S``, past the prompt's lease (a slow link, as NIXL would report it).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from e2e_probe import SLOW_WRITE_ENV
 from faults import call, tokens_of
 from scenarios import Server, log_lines, metric, nixl_server, poke, probe_lines
 
@@ -62,6 +65,12 @@ WRITE_NS = (4, 8)
 # waiting prompt (12 s from its prefill at 3.8 s) ran out in the first only.
 BUSY_TOKENS = 320
 ABORT_AFTER_S = 2.0
+# slow: the producer's WRITE of prompt SLOW_RID is reported in flight this long after it
+# is posted (the probe's SLOW_WRITE_ENV; its bytes land at once): past the prompt's lease
+# from its prefill, and past the last renewal of the decoder's heartbeats, which stop
+# when the decode request finishes (a lease extension, 8 s, after its last heartbeat).
+SLOW_RID = "push-slow"
+SLOW_WRITE_S = LEASE_S + 8
 PRODUCER_METRICS = ("vllm:nixl_bytes_transferred_sum", "vllm:nixl_bytes_transferred_count",
                     "vllm:nixl_num_kv_expired_reqs", "vllm:nixl_num_failed_transfers",
                     "vllm:nixl_num_notifications_after_expiry", "vllm:kv_cache_usage_perc",
@@ -90,7 +99,8 @@ class PushPair:
         self.run_dir = run_dir
         self.producer = nixl_server("producer", run_dir, 8100, PRODUCER_SIDE_PORT, core=0,
                                     connector=connector, lease=LEASE_S,
-                                    kv_transfer=push_config("producer", connector))
+                                    kv_transfer=push_config("producer", connector),
+                                    probe_env={SLOW_WRITE_ENV: f"{SLOW_RID}={SLOW_WRITE_S}"})
         self.decoder = nixl_server("decoder", run_dir, 8200, PRODUCER_SIDE_PORT + 1, core=1,
                                    connector=connector, lease=LEASE_S,
                                    kv_transfer=push_config("decoder", connector),
@@ -236,8 +246,35 @@ def busy_case(pair: PushPair) -> dict[str, Any]:
             "decoder_after": sample(pair.decoder, DECODER_METRICS)}
 
 
+def slow_case(pair: PushPair) -> dict[str, Any]:
+    """Prompt SLOW_RID (n=1) whose WRITE is reported in flight for SLOW_WRITE_S: the
+    producer's releases of it (``free``), its expiry lines, and KV usage while the WRITE
+    is in flight and after it."""
+    flow = legs(pair, SLOW_RID, tokens_of(2, 6, 10000), 1, 1)
+    slow = [e for e in pair.probe(pair.producer)
+            if e["event"] in ("write_slow", "write_slow_end") and SLOW_RID in e["notif"]]
+    posted = next((e for e in slow if e["event"] == "write_slow"), None)
+    # Past the lease (from the prefill), with the WRITE in flight: stock releases here.
+    time.sleep(max(0.0, flow["t_start"] + LEASE_S + 3 - time.monotonic()))
+    poke(pair.producer)
+    poke(pair.producer)
+    during = sample(pair.producer, PRODUCER_METRICS)
+    if posted is not None:
+        time.sleep(max(0.0, posted["until"] + 1 - time.monotonic()))
+    poke(pair.producer)
+    poke(pair.producer)
+    time.sleep(1.0)
+    events = pair.probe(pair.producer)
+    return {**flow, **traffic(pair, SLOW_RID), "producer_during": during,
+            "producer_after": sample(pair.producer, PRODUCER_METRICS),
+            "slow_writes": [e for e in events if e["event"] in ("write_slow", "write_slow_end")
+                            and SLOW_RID in e["notif"]],
+            "frees": [{"t": e["t"], "req": e["req"], "freed": len(e["freed"])}
+                      for e in events if e["event"] == "free" and SLOW_RID in e["req"]]}
+
+
 CASES = {"writes": writes_case, "mismatch": mismatch_case, "late": late_case,
-         "busy": busy_case}
+         "busy": busy_case, "slow": slow_case}
 
 
 def run(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:

@@ -284,12 +284,14 @@ def fixes_env(fixes: str | None) -> dict[str, str]:
 
 def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, core: int,
                 connector: str, fixes: str | None = None, lease: int = NIXL_EXPIRY_S,
-                kv_transfer: dict[str, Any] | None = None, **engine_args: Any) -> Server:
+                kv_transfer: dict[str, Any] | None = None,
+                probe_env: dict[str, str] | None = None, **engine_args: Any) -> Server:
     """A NIXL P/D engine (``kv_transfer_config``) whose probe file is its own,
     computing on CPU core ``core`` (vLLM's way to run several CPU engines on one host:
     bound to the same cores, their OpenMP threads spin against each other), with the
     fixes ``fixes`` chooses (``fixes_env``). ``kv_transfer``, when given, is the KV
-    transfer config in place of ``kv_transfer_config(connector, lease)`` (push mode's)."""
+    transfer config in place of ``kv_transfer_config(connector, lease)`` (push mode's);
+    ``probe_env``: more of the probe's settings (``e2e_probe.SLOW_WRITE_ENV``)."""
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
         # The worker's main thread (the model's, too) stays on that core (see e2e_probe).
@@ -304,6 +306,7 @@ def nixl_server(name: str, run_dir: Path, port: int, side_channel_port: int, cor
         PROBE_ENV: str(run_dir / f"{name}.probe.jsonl"),
         **NIXL_PROBE_ENV,
         **fixes_env(fixes),
+        **(probe_env or {}),
     }
     return Server(name, run_dir, port, OPT, env=env, block_size=block_size(), **engine_args,
                   kv_transfer_config=kv_transfer or kv_transfer_config(connector, lease))

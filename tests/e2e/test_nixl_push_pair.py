@@ -18,7 +18,10 @@ What stock shows, and which fix ends it (docs/push-mode.md has the exploration):
 - the producer releases by lease a prompt whose decoder children wait for seats while
   the decoder heartbeats for them (F10 renews it);
 - the producer holds by lease a prompt whose decode request was aborted before it was
-  scheduled (F11 releases it when the decoder drops the request).
+  scheduled (F11 releases it when the decoder drops the request);
+- the producer releases by lease a prompt whose WRITE is still in flight, and the next
+  prefill may take its blocks while the WRITE reads them (F13 holds it until the WRITE
+  is done).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class PushRun:
         """The pair served its warm-up through a WRITE, and every case ran."""
         warmup = self.record["warmup"]
         assert warmup["decode"]["status"] == 200 and len(warmup["writes"]) == 1, warmup
-        assert set(self.cases) == {"writes", "mismatch", "late", "busy"}, set(self.cases)
+        assert set(self.cases) == {"writes", "mismatch", "late", "busy", "slow"}, set(self.cases)
 
 
 @functools.cache
@@ -220,6 +223,29 @@ def test_aborted_children_release_their_prompt(mode: str, connector: str) -> Non
     else:
         assert not expired, aborted["expired_lines"]
         assert len(set(releases)) == aborted["d_n"], releases
+
+
+@RUNS
+def test_no_release_under_a_write_in_flight(mode: str, connector: str) -> None:
+    """F13 (case ``slow``): the producer's WRITE of the prompt is reported in flight
+    (the probe, as NIXL reports a WRITE on a slow link) past the prompt's lease. Stock
+    releases the prompt by lease with its WRITE in flight ("Releasing expired KV
+    blocks"): its blocks go back to the pool while the WRITE reads them. Fixed: no
+    expiry; the producer releases the prompt once its WRITE is reported done."""
+    run = push_run(mode, connector)
+    run.check_reached()
+    case = run.cases["slow"]
+    assert case["decode"]["status"] == 200, case["decode"]
+    posted = [e["until"] for e in case["slow_writes"] if e["event"] == "write_slow"]
+    assert len(posted) == 1, case["slow_writes"]
+    frees = case["frees"]
+    assert frees, "the producer never released the prompt"
+    expired = expired_requests(case["expired_lines"])
+    if bug_expected("F13", mode):
+        assert expired and frees[0]["t"] < posted[0], (expired, frees, posted)
+    else:
+        assert not expired, case["expired_lines"]
+        assert all(free["t"] >= posted[0] for free in frees), (frees, posted)
 
 
 @RUNS

@@ -151,7 +151,7 @@ def test_a_patch_release_or_build_that_differs_is_not_active(v0_33_1, named, cap
                                                  "    def start_load_kv(self, *, extra=None, ", 1)
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
-    assert f"  BAD: NOT active on vLLM {installed}: F2, F3, F4, F5, F6, F7, F8, F9, F10, F11, F12; vLLM starts " \
+    assert f"  BAD: NOT active on vLLM {installed}: F2, F3, F4, F5, F6, F7, F8, F9, F10, F11, F12, F13; vLLM starts " \
            f"without the fixes (VLLM_PATCHES_STRICT=1 stops it instead). Why: {named}, and its code " \
            "differs from v0.33.0's at " \
            f"{overlay}:NixlPullConnectorWorker.start_load_kv (F2: changed);" in out
@@ -255,8 +255,8 @@ def test_an_unknown_fix_id_is_bad_with_or_without_vllm(vllm, dists, capsys, monk
     monkeypatch.setenv("VLLM_PATCHES_FIXES", "F2,F99")
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED, out
-    assert ("VLLM_PATCHES_FIXES names unknown fix F99 "
-            "(the series has F1, F2, F3, F4, F5, F6, F7, F8, F9, F10, F11, F12)") in out
+    known = ", ".join(_doctor._series.load().ids)
+    assert f"VLLM_PATCHES_FIXES names unknown fix F99 (the series has {known})" in out
     assert "  BAD: " in out
 
 

@@ -20,6 +20,11 @@ clock on Linux, so the lines of the scheduler and the worker processes compare):
   producer's worker reads it, before vLLM (or a fix) interprets it;
 - worker (NIXL agent ``make_prepped_xfer``, ``send_notif``): ``read``/``notif_sent``:
   each READ a decoder posts (descriptors, its notification) and each bare notification;
+  with ``VLLM_PATCHES_E2E_SLOW_WRITE=<name>=<seconds>`` the probe also changes one
+  thing: the producer's WRITEs whose notification names <name> are reported in flight
+  (``check_xfer_state``) that long after they are posted, as on a slow link, although
+  their bytes have landed (``write_slow`` at the post, ``write_slow_end`` when their
+  real state is reported again);
 - worker (``NixlConnector.get_transfer_results``, or ``get_finished`` where it has none: what
   the model runner calls): ``nixl_state``: requests the producer holds and, where a fix
   stages early notifications, how many are staged (when it changes);
@@ -49,6 +54,9 @@ import time
 from typing import Any
 
 PROBE_ENV = "VLLM_PATCHES_E2E_PROBE"
+# "<name>=<seconds>": the producer's WRITEs whose notification contains <name> are
+# reported in flight for <seconds> after they are posted (a slow link; see _probe_nixl).
+SLOW_WRITE_ENV = "VLLM_PATCHES_E2E_SLOW_WRITE"
 
 _fd: int | None = None
 
@@ -160,16 +168,37 @@ def _probe_nixl() -> None:
             return notifs
         return get_new_notifs
 
+    # A WRITE whose notification names SLOW_WRITE_ENV's request is reported in flight
+    # (``check_xfer_state`` "PROC") for that many seconds after it is posted: handle ->
+    # (notification, when its real state is reported again).
+    slow_name, _, slow_s = os.environ.get(SLOW_WRITE_ENV, "").partition("=")
+    slow: dict[Any, tuple[str, float]] = {}
+
     def make_prepped_xfer(original: Any) -> Any:
         def prepped_xfer(self: Any, operation: Any, local_handle: Any, local_ids: Any,
                          remote_handle: Any, remote_ids: Any, *args: Any,
                          **kwargs: Any) -> Any:
             notif = kwargs.get("notif_msg", args[0] if args else b"")
-            emit("read", op=str(operation), descs=len(remote_ids),
-                 notif=notif.decode() if isinstance(notif, bytes) else str(notif))
-            return original(self, operation, local_handle, local_ids, remote_handle,
-                            remote_ids, *args, **kwargs)
+            notif = notif.decode() if isinstance(notif, bytes) else str(notif)
+            emit("read", op=str(operation), descs=len(remote_ids), notif=notif)
+            handle = original(self, operation, local_handle, local_ids, remote_handle,
+                              remote_ids, *args, **kwargs)
+            if slow_name and slow_name in notif and "WRITE" in str(operation):
+                slow[handle] = (notif, time.monotonic() + float(slow_s))
+                emit("write_slow", notif=notif, until=slow[handle][1])
+            return handle
         return prepped_xfer
+
+    def make_check_xfer_state(original: Any) -> Any:
+        def check_xfer_state(self: Any, handle: Any) -> Any:
+            if handle in slow:
+                notif, until = slow[handle]
+                if time.monotonic() < until:
+                    return "PROC"
+                del slow[handle]
+                emit("write_slow_end", notif=notif)
+            return original(self, handle)
+        return check_xfer_state
 
     def make_send_notif(original: Any) -> Any:
         def send_notif(self: Any, remote_agent_name: Any, *args: Any, **kwargs: Any) -> Any:
@@ -220,6 +249,8 @@ def _probe_nixl() -> None:
         _reserve_kv_core(int(kv_core))
     wrap(NixlWrapper, "get_new_notifs", make_get_new_notifs)
     wrap(NixlWrapper, "make_prepped_xfer", make_prepped_xfer)
+    if slow_name:
+        wrap(NixlWrapper, "check_xfer_state", make_check_xfer_state)
     wrap(NixlWrapper, "send_notif", make_send_notif)
     wrap(NixlConnector, finished, make_get_finished)
     # On the base class where there is one (v0.24+), so that the push connector's

@@ -22,6 +22,10 @@ NIXL push mode (v0.24+), worker side:
   producer's writer releases the finished request it pairs with as a
   registration would (``PushReleases``), or stages the release until that
   request finishes, and the engine thread reports it done sending.
+- F13 (producer side): right before leases run out (where ``_get_new_notifs``
+  returns), each request a WRITE of this producer is still reading is held past
+  its lease until the WRITE is done or failed, for at most ``write_hold_limit``
+  seconds (``WriteHolds``).
 """
 
 import queue
@@ -475,3 +479,108 @@ class NixlPushConnectorWorker:
             pp_size=pp_size,
             notif_agents_only=True,
         )
+
+
+@add("F13", ">=0.24.0")
+class WriteHolds:
+    """Leases a NIXL push producer holds while a WRITE it posted reads the blocks.
+
+    A posted WRITE cannot be aborted (PR 56104 keeps a decoder's failed receive
+    for the same reason): until NIXL reports it done or failed, it may still read
+    the request's blocks, and blocks released by lease go back to the pool, where
+    the next prefill overwrites them while the decoder is sent them. A held
+    request's lease is moved to ``limit`` seconds from when its WRITE was first
+    seen in flight; when the WRITE ends (done: upstream releases the request at
+    once; failed) or the limit passes, the lease it had is put back, unless a
+    heartbeat renewed it past the hold meanwhile. Held entries move to the end of
+    the leases (up to v0.30 expiry stops at the first live lease in order).
+    """
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        # Held request -> (the lease it had, the lease the hold set); None once
+        # its hold ended, until the request leaves the leases (never held twice).
+        self._held: dict[ReqId, tuple[float, float] | None] = {}
+
+    def update(
+        self, leases: dict[ReqId, float], writing: set[ReqId], now: float
+    ) -> list[ReqId]:
+        """Hold in ``leases`` (``_reqs_to_send``) each request of ``writing`` (a
+        WRITE from its blocks is in flight), end the holds of the others, and
+        return the requests whose WRITE is still in flight when the limit passed
+        (their own lease is back: it releases them, now if it has run out)."""
+        held = self._held
+        for req_id in [r for r in held if r not in leases]:
+            del held[req_id]
+        for req_id in writing:
+            if req_id in leases and req_id not in held:
+                lease = leases.pop(req_id)
+                leases[req_id] = max(lease, now + self.limit)
+                held[req_id] = (lease, leases[req_id])
+        outlasted = []
+        for req_id, hold in held.items():
+            if hold is None:
+                continue
+            lease, held_to = hold
+            still_writing = req_id in writing
+            if still_writing and now < held_to:
+                continue
+            held[req_id] = None
+            if leases[req_id] == held_to:
+                leases[req_id] = lease
+            if still_writing:
+                outlasted.append(req_id)
+        return outlasted
+
+
+@amend("F13", ">=0.24.0")
+class NixlPushConnectorWorker:
+    """F13: no lease runs out under a WRITE in flight from the request's blocks."""
+
+    @cached_property
+    def _write_holds(self) -> "WriteHolds":
+        """The holds (kv_connector_extra_config["write_hold_limit"], seconds, 120
+        by default; 0: none, as upstream). The limit is what a WRITE that never
+        completes (NIXL reports neither done nor failed) costs: the prompt stays
+        held that long. Made on first use, so that workers built without
+        __init__ (tests) have it too."""
+        config = getattr(self, "kv_transfer_config", None)
+        if config is None:
+            return WriteHolds(120.0)
+        return WriteHolds(float(config.get_from_extra_config("write_hold_limit", 120)))
+
+    @filter_result_of("_get_new_notifs")
+    def _hold_under_writes(self, notified: set[ReqId]) -> set[ReqId]:
+        """Hold each request a WRITE of this producer is reading past its lease.
+
+        Called where _get_new_notifs returns: get_finished (up to v0.29) and
+        get_transfer_results (from v0.30) call it right before the requests
+        whose lease has run out are released.
+
+        Invariant: a request is not released by lease while a WRITE posted from
+        its blocks is in flight (its handles are in _sending_transfers, not yet
+        reported done or failed), for at most write_hold_limit seconds. Upstream
+        reports a lease-expired request done sending even with its WRITE posted
+        ("Expired requests were already reported, even if their WRITEs finish
+        later"); the scheduler frees its blocks and the next prefill overwrites
+        them while the WRITE sends them to the decoder, which then decodes from
+        KV that is partly another prompt's. The lease runs out under a WRITE when
+        the WRITE is slow (a large prompt, a congested link) and no heartbeat
+        renews it (the decoder's step outlasts the lease extension, or its
+        heartbeats name an id the producer does not hold). Costs one pass over
+        the in-flight WRITEs per step."""
+        holds = self._write_holds
+        if holds.limit <= 0:
+            return notified
+        with self._sending_transfers_lock:
+            writing = {
+                req_id for req_id, handles in self._sending_transfers.items() if handles
+            }
+        for req_id in holds.update(self._reqs_to_send, writing, time.perf_counter()):
+            logger.warning(
+                "A WRITE of the KV blocks of request %s is still in flight after "
+                "%.0f s (write_hold_limit); releasing them by lease.",
+                req_id,
+                holds.limit,
+            )
+        return notified
