@@ -65,7 +65,7 @@ class WritePair:
         worker._do_start_push_kv = post_write
         (self.held,) = push_pair.prefilled(self.producer, ["cmpl-write-0-aaaaaaaa"])
         self.decoder.add_decode("cmpl-write-0-bbbbbbbb", self.producer)
-        assert step_until(lambda: self.posted, self.decoder, self.producer), (
+        assert step_until(lambda: bool(self.posted), self.decoder, self.producer), (
             "the producer posted no WRITE for the decoder's registration"
         )
         assert self.posted == [self.held.request_id]
