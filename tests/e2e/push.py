@@ -15,7 +15,8 @@ code; it checks nothing (``test_nixl_push_pair.py`` does) and records, per case,
 client calls, the producer's WRITEs (the probe's ``read`` events with ``op`` WRITE;
 their notification names the decoder's request), the decoder's registrations and
 heartbeats (its ``notif_sent`` events), the producer's NIXL metrics and expiry lines,
-and both engines' KV usage. Every client call is bounded (``HANG_LIMIT_S``): a call without an answer by then counts as hung.
+and both engines' KV usage. Every client call is bounded (``HANG_LIMIT_S``): a call
+without an answer by then counts as hung.
 
 Cases, in the order they run:
 - ``warmup``: one prompt with n=1 through the pair (the NIXL handshakes);
@@ -246,14 +247,19 @@ def busy_case(pair: PushPair) -> dict[str, Any]:
             "decoder_after": sample(pair.decoder, DECODER_METRICS)}
 
 
+def slow_writes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The probe's events of the slowed WRITE of SLOW_RID: its post and its end."""
+    return [e for e in events
+            if e["event"] in ("write_slow", "write_slow_end") and SLOW_RID in e["notif"]]
+
+
 def slow_case(pair: PushPair) -> dict[str, Any]:
     """Prompt SLOW_RID (n=1) whose WRITE is reported in flight for SLOW_WRITE_S: the
     producer's releases of it (``free``), its expiry lines, and KV usage while the WRITE
     is in flight and after it."""
     flow = legs(pair, SLOW_RID, tokens_of(2, 6, 10000), 1, 1)
-    slow = [e for e in pair.probe(pair.producer)
-            if e["event"] in ("write_slow", "write_slow_end") and SLOW_RID in e["notif"]]
-    posted = next((e for e in slow if e["event"] == "write_slow"), None)
+    posted = next((e for e in slow_writes(pair.probe(pair.producer))
+                   if e["event"] == "write_slow"), None)
     # Past the lease (from the prefill), with the WRITE in flight: stock releases here.
     time.sleep(max(0.0, flow["t_start"] + LEASE_S + 3 - time.monotonic()))
     poke(pair.producer)
@@ -267,8 +273,7 @@ def slow_case(pair: PushPair) -> dict[str, Any]:
     events = pair.probe(pair.producer)
     return {**flow, **traffic(pair, SLOW_RID), "producer_during": during,
             "producer_after": sample(pair.producer, PRODUCER_METRICS),
-            "slow_writes": [e for e in events if e["event"] in ("write_slow", "write_slow_end")
-                            and SLOW_RID in e["notif"]],
+            "slow_writes": slow_writes(events),
             "frees": [{"t": e["t"], "req": e["req"], "freed": len(e["freed"])}
                       for e in events if e["event"] == "free" and SLOW_RID in e["req"]]}
 
