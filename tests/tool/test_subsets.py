@@ -122,7 +122,8 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F10": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
                            "F11": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
                            "F12": "not applicable (needed on vLLM >=0.28.0, not on v0.21.0)",
-                           "F13": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)"}
+                           "F13": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
+                           "F14": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]
     code, out, _ = run(capsys, "apply", "--fix", "F5,F3", "--check", str(checkout))

@@ -26,8 +26,16 @@ NIXL push mode (v0.24+), worker side:
   returns), each request a WRITE of this producer is still reading is held past
   its lease until the WRITE is done or failed, for at most ``write_hold_limit``
   seconds (``WriteHolds``).
+- F14 (decoder and producer side): a decoder registration carries when its
+  decoder gives up on it (``expires_at``, wall-clock seconds: its
+  ``push_registration_timeout`` from when the writer first saw it), and the
+  producer serves no registration past that and parks none beyond it: expired ones
+  are dropped before the writer pairs a finished request, so a later request with
+  the same id (a client retry) is not WRITTEN into blocks the decoder freed
+  (``ParkedRegistrations``).
 """
 
+import heapq
 import queue
 import time
 from concurrent.futures import Future
@@ -584,3 +592,156 @@ class NixlPushConnectorWorker:
                 holds.limit,
             )
         return notified
+
+
+@add("F14", ">=0.24.0")
+class ParkedRegistrations:
+    """When decoder registrations expire, for a NIXL push worker's writer thread.
+
+    A registration names decoder blocks allocated for one request; the decoder
+    waits for their WRITE for ``timeout`` seconds (its push_registration_timeout)
+    and then gives up on it (a decoder that fails the request frees the blocks).
+    Past that, a WRITE into its blocks may overwrite another request's KV, so a
+    producer must neither serve nor keep it. The decoder says when that is: the
+    registration carries ``expires_at`` (wall-clock seconds, the clock both hosts
+    keep in step), set when its writer first sees it. The producer cannot time it
+    itself: its writer reads registrations only when it wakes, and an idle
+    producer's writer sleeps until its next request (seen in a real pair: a
+    registration read 22 s after it was sent, past a 20 s timeout). A
+    registration without ``expires_at`` (a decoder without the fix) expires
+    ``timeout`` after the producer read it.
+    """
+
+    KEY = "expires_at"
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        # (deadline on the local monotonic clock, decoder request id), a heap.
+        self._deadlines: list[tuple[float, str]] = []
+
+    def stamp(self, registration: dict[str, Any], wall_now: float) -> None:
+        """Decoder: say when this registration's decoder gives up on it (kept when
+        the registration is stamped already: it comes back after a handshake)."""
+        registration.setdefault(self.KEY, wall_now + self.timeout)
+
+    def outlived(self, registration: dict[str, Any], wall_now: float) -> bool:
+        """Whether the registration's decoder gave up on it already."""
+        expires_at = registration.get(self.KEY)
+        return isinstance(expires_at, (int, float)) and expires_at <= wall_now
+
+    def arrived(
+        self, registration: dict[str, Any], now: float, wall_now: float
+    ) -> None:
+        """Producer: start watching a registration that was just read."""
+        req_id = registration.get("request_id")
+        if not isinstance(req_id, str):
+            return
+        expires_at = registration.get(self.KEY)
+        if isinstance(expires_at, (int, float)):
+            deadline = now + (expires_at - wall_now)
+        else:
+            deadline = now + self.timeout
+        heapq.heappush(self._deadlines, (deadline, req_id))
+
+    def expired(self, now: float) -> list[str]:
+        """The decoder request ids whose deadline passed (forgotten here)."""
+        deadlines = self._deadlines
+        out = []
+        while deadlines and deadlines[0][0] <= now:
+            out.append(heapq.heappop(deadlines)[1])
+        return out
+
+
+@amend("F14", ">=0.24.0")
+class NixlPushConnectorWorker:
+    """F14: no decoder registration is served or parked past its decoder's timeout."""
+
+    @cached_property
+    def _parked_registrations(self) -> "ParkedRegistrations | None":
+        """Writer thread: when registrations expire, or None when
+        kv_connector_extra_config["expire_push_registrations"] is false
+        (upstream: a registration is parked until a request pairs with it). The
+        timeout is push_registration_timeout (decoder_kv_blocks_ttl, 480 s, by
+        default), the decoder scheduler's watchdog."""
+        config = getattr(self, "kv_transfer_config", None)
+        if config is None:
+            return ParkedRegistrations(480.0)
+        if not config.get_from_extra_config("expire_push_registrations", True):
+            return None
+        ttl = config.get_from_extra_config("decoder_kv_blocks_ttl", 480)
+        timeout = config.get_from_extra_config("push_registration_timeout", ttl)
+        return ParkedRegistrations(float(timeout))
+
+    # --- Decoder side --------------------------------------------------- #
+
+    @redirect_call_in("_push_writer_loop", "self._send_registration_to_p")
+    def _send_stamped_registration(self, req_id: str, reg_data: dict) -> None:
+        """Stamp a registration with when this decoder gives up on it, then send
+        it (a producer without the fix ignores the key)."""
+        parked = self._parked_registrations
+        if parked is not None:
+            parked.stamp(reg_data, time.time())
+        self._send_registration_to_p(req_id, reg_data)
+
+    # --- Producer side -------------------------------------------------- #
+
+    @filter_call_in("_handle_push_reg_notif", "msgspec.msgpack.decode")
+    def _registration_arrived(self, reg_data: Any) -> Any:
+        """Watch each registration as it is read (it is served at once or
+        parked), and drop the parked ones that expired."""
+        parked = self._parked_registrations
+        if parked is None or not isinstance(reg_data, dict):
+            return reg_data
+        now = time.perf_counter()
+        self._drop_expired_registrations(now)
+        parked.arrived(reg_data, now, time.time())
+        return reg_data
+
+    @redirect_call_in("_handle_push_reg_notif", "self._do_start_push_kv")
+    def _write_unless_outlived(
+        self, request_id: str, blocks: Any, reg_data: dict[str, Any]
+    ) -> None:
+        """WRITE a request's prompt to a registration that pairs with it as it
+        arrives, unless its decoder gave up on it before it was read: then the
+        request keeps waiting for a registration, and this one is dropped."""
+        parked = self._parked_registrations
+        if parked is not None and parked.outlived(reg_data, time.time()):
+            self._push_finished_blocks[request_id] = blocks
+            self._log_dropped_registration(reg_data.get("request_id"))
+            return
+        self._do_start_push_kv(request_id, blocks, reg_data)
+
+    @filter_call_in("_push_writer_loop", "self._finished_blocks_inbox.get_nowait")
+    def _before_pairing(self, finished: tuple[str, Any]) -> tuple[str, Any]:
+        """Drop the expired registrations before the writer pairs a newly
+        finished request with one.
+
+        Invariant: no request's prompt is WRITTEN to a registration whose
+        decoder gave up on it. Upstream parks a registration no finished
+        request pairs with (a decode leg that arrives after the prompt was
+        released by lease, a decode leg with n > 1 for a prefill leg with
+        n = 1, a copy from a second decoder rank) in _pending_d_registrations
+        for good: its eviction is keyed by the producer's request id, the
+        registration by the decoder's. A later request with the same id less
+        its random suffix (a client that retries with the same X-Request-Id)
+        then pairs with the oldest such registration, and the producer WRITEs
+        into blocks the decoder freed when it gave up on them, while the
+        retry's own registration waits unserved."""
+        if self._parked_registrations is not None:
+            self._drop_expired_registrations(time.perf_counter())
+        return finished
+
+    def _drop_expired_registrations(self, now: float) -> None:
+        parked = self._parked_registrations
+        assert parked is not None
+        for req_id in parked.expired(now):
+            if self._pending_d_registrations.pop(req_id, None) is not None:
+                self._log_dropped_registration(req_id)
+
+    def _log_dropped_registration(self, req_id: Any) -> None:
+        logger.warning(
+            "Dropping the KV registration of decode request %s: its decoder gave "
+            "up on it (push_registration_timeout) before a request of this "
+            "producer paired with it.",
+            req_id,
+        )
