@@ -32,8 +32,11 @@ Cases, in the order they run:
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -104,12 +107,15 @@ class Pair:
 
 def call(server: Server, payload: dict[str, Any], stream_chunks: int | None = None,
          disconnect_after_s: float | None = None, headers: dict[str, str] | None = None,
-         limit_s: float = CLIENT_LIMIT_S) -> dict[str, Any]:
+         limit_s: float = CLIENT_LIMIT_S,
+         give_up: threading.Event | None = None) -> dict[str, Any]:
     """One client call to ``/v1/completions``, never raising: its HTTP status, choices
     (or error text), and seconds. ``stream_chunks``: stream the answer and disconnect
     after that many chunks that carry text; ``disconnect_after_s``: stream and disconnect
     after that long, whatever arrived. Hung when no answer came within ``limit_s``
-    (``CLIENT_LIMIT_S``). ``headers``: more request headers (push mode's ``X-Request-Id``)."""
+    (``CLIENT_LIMIT_S``), or before ``give_up`` was set (a bound the scenario sets
+    later: the client leaves then). ``headers``: more request headers (push mode's
+    ``X-Request-Id``)."""
     temperature = 1.0 if payload.get("n", 1) > 1 else 0.0
     # Every scenario times its requests by their lengths (a busy request holds the
     # decoder's seats past a lease): no sample may stop early at EOS. A CI run of the push
@@ -121,6 +127,9 @@ def call(server: Server, payload: dict[str, Any], stream_chunks: int | None = No
     started = time.monotonic()
     outcome: dict[str, Any] = {"status": None, "hung": False, "disconnected": False}
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=limit_s)
+    if give_up is not None:
+        threading.Thread(target=_leave_on, args=(give_up, connection, limit_s),
+                         daemon=True).start()
     try:
         connection.request("POST", "/v1/completions", json.dumps(body),
                            {"Content-Type": "application/json", **(headers or {})})
@@ -149,11 +158,23 @@ def call(server: Server, payload: dict[str, Any], stream_chunks: int | None = No
         # A client that leaves after ``disconnect_after_s`` is not kept waiting: it left.
         outcome["disconnected" if disconnect_after_s is not None else "hung"] = True
     except (ConnectionError, http.client.HTTPException, OSError) as error:
-        outcome["error"] = f"{type(error).__name__}: {error}"
+        if give_up is not None and give_up.is_set() and outcome["status"] is None:
+            outcome["hung"] = True
+        else:
+            outcome["error"] = f"{type(error).__name__}: {error}"
     finally:
         connection.close()
     outcome["s"] = round(time.monotonic() - started, 1)
     return outcome
+
+
+def _leave_on(give_up: threading.Event, connection: http.client.HTTPConnection,
+              limit_s: float) -> None:
+    """Close the call's socket when ``give_up`` is set within ``limit_s``: the blocked
+    read ends (``call`` counts the call as hung if no answer had come)."""
+    if give_up.wait(limit_s) and connection.sock is not None:
+        with contextlib.suppress(OSError):
+            connection.sock.shutdown(socket.SHUT_RDWR)
 
 
 def decode_payload(flow: dict[str, Any], tokens: int) -> dict[str, Any]:

@@ -25,6 +25,9 @@ Cases, in the order they run:
   per prompt;
 - ``mismatch``: the prefill leg with n=1 and the decode leg with n=4;
 - ``late``: a prefill leg with n=4, then, past the producer's lease, its decode leg;
+- ``retry``: the client of ``late`` tries again with the same ``X-Request-Id`` once
+  its decode leg failed or hung: both legs again, n=4 (what a gateway that retries
+  sends: it keeps the request's id);
 - ``busy``: a local request with n = ``DECODER_SEQS`` takes every decoder seat for
   longer than the lease; meanwhile prompt A's legs (n=2) come and A's client leaves after
   ``ABORT_AFTER_S`` (its children aborted before they were scheduled), and prompt B's legs
@@ -35,6 +38,7 @@ Cases, in the order they run:
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,9 +59,10 @@ DECODER_SEATS = 8
 # A decode leg with no answer after this long is hung: past the watchdog, with room for
 # a slow step (a decoder whose watchdog fails the request answers at about 20 s).
 HANG_LIMIT_S = 32
-# busy: how long the busy request and prompt B's client may take (B's children wait
-# for the busy request's seats). The busy request took 27 to 85 s through
-# MultiConnector on this 2-core machine (2026-11-27), 31 to 40 s without it.
+# busy: how long the busy request may take. It took 27 to 85 s through MultiConnector
+# on this 2-core machine (2026-11-27), 31 to 40 s without it. Prompt B's client (its
+# children wait for the busy request's seats) leaves HANG_LIMIT_S after the busy
+# request ended, if no answer came by then: stock never answers B.
 WAIT_LIMIT_S = 4 * HANG_LIMIT_S
 DECODE_TOKENS = 4
 WRITE_NS = (4, 8)
@@ -203,8 +208,15 @@ def mismatch_case(pair: PushPair) -> dict[str, Any]:
             **traffic(pair, flow["rid"])}
 
 
+LATE_RID = "push-late"
+
+
+def late_prompt() -> list[int]:
+    return tokens_of(2, 7, 6000)
+
+
 def late_case(pair: PushPair) -> dict[str, Any]:
-    rid, prompt = "push-late", tokens_of(2, 7, 6000)
+    rid, prompt = LATE_RID, late_prompt()
     started = time.monotonic()
     prefill_call = call(pair.producer, prefill_payload(prompt, 4),
                         headers={"X-Request-Id": rid}, limit_s=HANG_LIMIT_S)
@@ -220,6 +232,18 @@ def late_case(pair: PushPair) -> dict[str, Any]:
             "decoder_after": sample(pair.decoder, DECODER_METRICS), **traffic(pair, rid)}
 
 
+def retry_case(pair: PushPair) -> dict[str, Any]:
+    """Both legs of prompt ``late`` again, with its X-Request-Id: the producer's WRITEs
+    from then on (the decoder requests they name), and the producer's lines that drop
+    a parked registration."""
+    flow = legs(pair, LATE_RID, late_prompt(), 4, 4)
+    time.sleep(2.0)
+    writes = [w for w in traffic(pair, LATE_RID)["writes"] if w["t"] >= flow["t_start"]]
+    return {**flow, "writes": writes, "write_targets": sorted({w["to"] for w in writes}),
+            "dropped_lines": log_lines(pair.producer, 0, "Dropping the KV registration"),
+            "decoder_after": sample(pair.decoder, DECODER_METRICS)}
+
+
 def busy_case(pair: PushPair) -> dict[str, Any]:
     started = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
@@ -233,11 +257,16 @@ def busy_case(pair: PushPair) -> dict[str, Any]:
                        disconnect_after_s=ABORT_AFTER_S)
         poke(pair.producer)
         after_a = sample(pair.producer, PRODUCER_METRICS)
+        give_up = threading.Event()
         waited = pool.submit(legs, pair, "push-wait", tokens_of(2, 5, 9000), 2, 2,
-                             limit_s=WAIT_LIMIT_S)
+                             limit_s=WAIT_LIMIT_S, give_up=give_up)
         busy_call = busy.result()
         t_busy_done = time.monotonic()
+        leave = threading.Timer(HANG_LIMIT_S, give_up.set)
+        leave.daemon = True
+        leave.start()
         waited_flow = waited.result()
+        leave.cancel()
     time.sleep(2.0)
     return {"t_start": started, "busy": busy_call, "t_busy_done": t_busy_done,
             "producer_before_abort": before_a, "producer_after_abort": after_a,
@@ -279,7 +308,7 @@ def slow_case(pair: PushPair) -> dict[str, Any]:
 
 
 CASES = {"writes": writes_case, "mismatch": mismatch_case, "late": late_case,
-         "busy": busy_case, "slow": slow_case}
+         "retry": retry_case, "busy": busy_case, "slow": slow_case}
 
 
 def run(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:

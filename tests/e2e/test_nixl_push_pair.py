@@ -21,7 +21,10 @@ What stock shows, and which fix ends it (docs/push-mode.md has the exploration):
   scheduled (F11 releases it when the decoder drops the request);
 - the producer releases by lease a prompt whose WRITE is still in flight, and the next
   prefill may take its blocks while the WRITE reads them (F13 holds it until the WRITE
-  is done).
+  is done);
+- a client that retries with the same ``X-Request-Id`` after its decode leg failed is
+  WRITTEN into the blocks of the registrations the producer parked for the failed leg,
+  not its own, and hangs (F14 drops a parked registration once its decoder gave up).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class PushRun:
         """The pair served its warm-up through a WRITE, and every case ran."""
         warmup = self.record["warmup"]
         assert warmup["decode"]["status"] == 200 and len(warmup["writes"]) == 1, warmup
-        assert set(self.cases) == {"writes", "mismatch", "late", "busy", "slow"}, set(self.cases)
+        assert set(self.cases) == {"writes", "mismatch", "late", "retry", "busy", "slow"}, set(self.cases)
 
 
 @functools.cache
@@ -167,6 +170,34 @@ def test_unserved_registration_fails_at_the_watchdog(mode: str, connector: str) 
             assert not decode["hung"] and decode["status"] >= 400, f"{name}: {decode}"
             assert timeout <= decode["s"] < run.record["hang_limit_s"], decode
             assert usage == 0.0, f"{name}: decoder KV usage {usage} after the failure"
+
+
+@RUNS
+def test_a_retry_is_written_to_its_own_registration(mode: str, connector: str) -> None:
+    """F14 (case ``retry``): the client of ``late`` tries again with the same
+    X-Request-Id after its decode leg failed (fixed) or hung (stock). Stock's producer
+    still parks the registrations of the failed leg, pairs the retry's prompt with
+    them (the ids are the same less their random suffix) and WRITEs it into the blocks
+    of decoder requests that gave up on them; the retry's own registrations wait, and
+    the retry hangs. Fixed: the producer dropped each parked registration once its
+    decoder's timeout passed ("Dropping the KV registration"), WRITEs the retry into
+    its own blocks, and the client gets its answer."""
+    run = push_run(mode, connector)
+    run.check_reached()
+    stale = {line.split("registration for request ", 1)[1].split()[0]
+             for line in run.cases["late"]["watchdog_lines"]}
+    assert stale, run.cases["late"]["watchdog_lines"]
+    retry = run.cases["retry"]
+    written = {target.rsplit(":", 1)[0] for target in retry["write_targets"]}
+    if bug_expected("F14", mode):
+        assert written & stale, f"no WRITE into a stale registration: {written}, {stale}"
+        assert retry["decode"]["status"] != 200, retry["decode"]
+    else:
+        assert written and not written & stale, (written, stale)
+        assert retry["decode"]["status"] == 200 and retry["decode"]["choices"] == 4, \
+            retry["decode"]
+        dropped = [line for line in retry["dropped_lines"] if any(s in line for s in stale)]
+        assert len(dropped) == len(stale), retry["dropped_lines"]
 
 
 def check_seats_held(record: dict, case: dict, since: float, for_s: float) -> None:
