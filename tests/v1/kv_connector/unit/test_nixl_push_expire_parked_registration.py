@@ -80,15 +80,20 @@ class Pair:
         worker: Any = self.producer.worker
         return worker._pending_d_registrations
 
-    def register(self, decoder_req_id: str) -> Request:
-        """A decode leg whose registration reaches the producer, which parks it
-        (no finished request pairs with it). It names the proxy's request id as
-        the push proxy does: the decoder's id less the engine's prefix and
-        suffixes (one prompt to the decoder's scheduler per proxy request)."""
+    def decode_leg(self, decoder_req_id: str) -> Request:
+        """A decode leg naming the proxy's request id as the push proxy does: the
+        decoder's id less the engine's prefix and suffixes (one prompt to the
+        decoder's scheduler per proxy request)."""
         request = self.decoder.add_decode(decoder_req_id, self.producer)
         params = request.kv_transfer_params
         assert params is not None
         params["remote_request_id"] = decoder_req_id.split("_")[-1].rsplit("-", 2)[0]
+        return request
+
+    def register(self, decoder_req_id: str) -> Request:
+        """A decode leg whose registration reaches the producer, which parks it
+        (no finished request pairs with it)."""
+        request = self.decode_leg(decoder_req_id)
         assert step_until(
             lambda: decoder_req_id in self.parked(), self.decoder, self.producer
         ), f"the producer did not park the registration of {decoder_req_id}"
@@ -98,10 +103,7 @@ class Pair:
         """A decode leg whose registration is sent to the producer, which does not
         read it yet (an idle producer's writer sleeps until its next request)."""
         fabric = FakeNixlAgent.fabric
-        request = self.decoder.add_decode(decoder_req_id, self.producer)
-        params = request.kv_transfer_params
-        assert params is not None
-        params["remote_request_id"] = decoder_req_id.split("_")[-1].rsplit("-", 2)[0]
+        request = self.decode_leg(decoder_req_id)
         assert step_until(
             lambda: bool(fabric.inboxes[self.producer.agent_name]), self.decoder
         ), f"the decoder sent no registration for {decoder_req_id}"
@@ -121,14 +123,23 @@ class Pair:
         ), f"the producer's writer never took the finished request {request_id}"
 
 
-def test_a_retry_is_written_to_its_own_registration(make_engine, monkeypatch):
+@pytest.mark.parametrize("read", ["at_once", "late"])
+def test_a_retry_is_written_to_its_own_registration(make_engine, monkeypatch, read):
     """The decode leg of cmpl-retry-0 registered after its prompt was released
-    (it is parked), the decoder gave up on it, the client left and retried: the retry's
-    prompt is WRITTEN to the retry's registration, not to the stale one (stock
-    pairs it with the stale one, the oldest, whose blocks the decoder freed)."""
+    (it is parked), the decoder gave up on it, the client left and retried: the
+    retry's prompt is WRITTEN to the retry's registration, not to the stale one
+    (stock pairs it with the stale one, the oldest, whose blocks the decoder
+    freed). ``late``: the producer was idle when the stale registration came, so
+    its writer read it only when the retry woke it, past the decoder's timeout
+    (seen in a real pair: read 22 s after it was sent, timeout 20 s); the
+    registration says when its decoder gives up on it, so the producer drops it
+    however late it reads it."""
     clock = Clocks(monkeypatch)
     pair = Pair(make_engine)
-    first = pair.register("cmpl-retry-0-bbbbbbbb")
+    if read == "at_once":
+        first = pair.register("cmpl-retry-0-bbbbbbbb")
+    else:
+        first = pair.send_registration("cmpl-retry-0-bbbbbbbb")
     clock.advance(TIMEOUT + 1)
     # The client gave up and retries with the same X-Request-Id.
     pair.decoder.abort(first)
@@ -137,6 +148,7 @@ def test_a_retry_is_written_to_its_own_registration(make_engine, monkeypatch):
     assert pair.writes == [("cmpl-retry-0-cccccccc", "cmpl-retry-0-dddddddd")], (
         "the retry's prompt was not WRITTEN to the retry's own registration"
     )
+    assert "cmpl-retry-0-bbbbbbbb" not in pair.parked()
 
 
 def test_an_expired_registration_is_never_written(make_engine, monkeypatch, caplog):
@@ -152,27 +164,6 @@ def test_an_expired_registration_is_never_written(make_engine, monkeypatch, capl
     assert pair.writes == [], "a WRITE into the blocks of an expired registration"
     assert not pair.parked(), "the expired registration is still parked"
     assert "push_registration_timeout" in caplog.text
-
-
-def test_a_registration_read_after_its_decoder_gave_up_is_never_written(
-    make_engine, monkeypatch
-):
-    """The producer was idle when the late decode leg's registration came, so its
-    writer read it only when the client's retry woke it, past the decoder's
-    timeout (seen in a real pair: read 22 s after it was sent, timeout 20 s). The
-    registration says when its decoder gives up on it, so the producer drops it
-    however late it reads it, and WRITEs the retry to the retry's own."""
-    clock = Clocks(monkeypatch)
-    pair = Pair(make_engine)
-    first = pair.send_registration("cmpl-slept-0-bbbbbbbb")
-    clock.advance(TIMEOUT + 1)
-    pair.decoder.abort(first)
-    pair.register("cmpl-slept-0-dddddddd")
-    pair.prefill("cmpl-slept-0-cccccccc")
-    assert pair.writes == [("cmpl-slept-0-cccccccc", "cmpl-slept-0-dddddddd")], (
-        "the retry's prompt was not WRITTEN to the retry's own registration"
-    )
-    assert "cmpl-slept-0-bbbbbbbb" not in pair.parked()
 
 
 def test_an_idle_producer_drops_expired_registrations(make_engine, monkeypatch):
