@@ -624,10 +624,16 @@ class ParkedRegistrations:
         the registration is stamped already: it comes back after a handshake)."""
         registration.setdefault(self.KEY, wall_now + self.timeout)
 
+    def expires_at(self, registration: dict[str, Any]) -> float | None:
+        """When the registration's decoder gives up on it (wall clock), or None
+        when the registration does not say (a decoder without the fix)."""
+        expires_at = registration.get(self.KEY)
+        return float(expires_at) if isinstance(expires_at, (int, float)) else None
+
     def outlived(self, registration: dict[str, Any], wall_now: float) -> bool:
         """Whether the registration's decoder gave up on it already."""
-        expires_at = registration.get(self.KEY)
-        return isinstance(expires_at, (int, float)) and expires_at <= wall_now
+        expires_at = self.expires_at(registration)
+        return expires_at is not None and expires_at <= wall_now
 
     def arrived(
         self, registration: dict[str, Any], now: float, wall_now: float
@@ -636,11 +642,11 @@ class ParkedRegistrations:
         req_id = registration.get("request_id")
         if not isinstance(req_id, str):
             return
-        expires_at = registration.get(self.KEY)
-        if isinstance(expires_at, (int, float)):
-            deadline = now + (expires_at - wall_now)
-        else:
+        expires_at = self.expires_at(registration)
+        if expires_at is None:
             deadline = now + self.timeout
+        else:
+            deadline = now + (expires_at - wall_now)
         heapq.heappush(self._deadlines, (deadline, req_id))
 
     def expired(self, now: float) -> list[str]:
