@@ -103,6 +103,12 @@ def check_release(release: Version, fixes: list[_series.Fix], hooks_only: bool,
     return problems
 
 
+def exported_tests(series: _series.Series, fix: _series.Fix, release: Version) -> list[str]:
+    """The tests ``export`` sends with ``fix`` on ``release``: its own and those of the
+    fixes it requires that the release needs (a requirement upstream there is not sent)."""
+    return [t for f in series.with_requirements(fix) if f.on(release).needed for t in f.tests]
+
+
 def check_tests(release: Version, series: _series.Series, fixes: list[_series.Fix],
                 exported: dict[str, tuple[Path, str]], work: Path,
                 pool: ThreadPoolExecutor) -> list[str]:
@@ -119,7 +125,7 @@ def check_tests(release: Version, series: _series.Series, fixes: list[_series.Fi
         tree, _ = exported[fix.id]
         # The tests as exported, not as this repository has them; those of the fixes it
         # requires too (a fix test may build on theirs: F12's on F11's push pair).
-        tests = [t for f in series.with_requirements(fix) for t in f.tests]
+        tests = exported_tests(series, fix, release)
         for test in tests:
             shown = subprocess.run(["git", "-C", str(tree), "show", f"HEAD:{test}"],
                                    capture_output=True, text=True, check=True).stdout
@@ -137,7 +143,7 @@ def check_tests(release: Version, series: _series.Series, fixes: list[_series.Fi
 
     def exported_run(fix_id: str) -> list[str]:
         tree, _ = exported[fix_id]
-        tests = [t for f in series.with_requirements(series.fix(fix_id)) for t in f.tests]
+        tests = exported_tests(series, series.fix(fix_id), release)
         report = work / f"{fix_id}-report.jsonl"
         code, _ = lanes.run_pytest(python, tree, dist_root, tests, [], report)
         failed = [n for n, o in lanes.outcomes(report).items() if o == "failed"]

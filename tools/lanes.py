@@ -6,10 +6,13 @@ For each lane (a covered release whose tests CI runs, `lanes` in series.toml):
   2. make two fresh clones: ``stock``, and ``patched`` with the series applied by
      ``vllm-patches apply`` (the command users run);
   3. copy the fix tests into both, at their upstream paths;
-  4. stock: every test a fix lists in ``stock_fails`` must fail, the others pass;
+  4. stock: every test a fix lists in ``stock_fails`` must fail, and those its
+     ``[[fails_on_stock]]`` names for the release (another fix's bug there), the others pass;
   5. patched: the fix tests and upstream's own suites for the changed code pass, less the
      upstream tests a fix deselects for the release (``[[deselect]]``, each with its
-     reason, the CPU, offline environment; each entry must match a test). An upstream
+     reason, the CPU, offline environment; each entry must match a test). A narrow lane
+     (``narrow_lanes``) runs upstream's suites only of the fixes that start at its
+     release (``Series.suites_run_on``). An upstream
      test whose expectation a fix changes runs as the fix's patch amends it
      (``test_overlays``), never deselected;
   6. for fixes already upstream in the release, their bug reproductions pass on stock;
@@ -306,7 +309,7 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
         run_pytest(python, stock, dist_root, fix_tests, [], report, runtime="off")
         results = outcomes(report)
         for expected in expectations:
-            expected_fail = set(expected.stock_fails)
+            expected_fail = set(expected.stock_fails_on(release))
             for node in expected_fail - results.keys():
                 problems.append(f"v{release} stock: {node} did not run")
             for node, outcome in results.items():
@@ -321,8 +324,9 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
         problems += run_runtime_mode(release, python, stock, dist_root, fixes, fix_tests,
                                      lane_dir)
 
-    upstream = [] if skip_upstream else [
-        t for fix in fixes for t in fix.upstream_tests if (patched / t.split("::")[0]).exists()]
+    suites = [] if skip_upstream else series.suites_run_on(release)
+    upstream = [t for fix in suites for t in fix.upstream_tests
+                if (patched / t.split("::")[0]).exists()]
     # Deselects of the upstream files this run holds (a release may lack a file).
     upstream_files = {t.split("::")[0] for t in upstream}
     deselect = list(dict.fromkeys(node for fix in fixes for node in fix.deselected(release)

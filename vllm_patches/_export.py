@@ -119,6 +119,13 @@ class Export:
     def applies(self) -> bool:
         return all(step.error is None and step.blocked_by is None for step in self.steps)
 
+    @property
+    def title(self) -> str:
+        """The pull request's title: the fix's own when the series is the fix alone
+        (what it requires is upstream or not needed on the base), else the title that
+        covers them all."""
+        return self.fix.series_title if len(self.fixes) > 1 else self.fix.title
+
     def touched(self) -> list[str]:
         """Every path the series may change: the fixes' upstream files and their tests."""
         return sorted({Fix.upstream_path(o) for f in self.fixes for o in f.overlays}
@@ -403,7 +410,7 @@ def _write(export: Export, directory: Path) -> list[Path]:
     for name, text in export.patches:
         (directory / name).write_text(text)
         written.append(directory / name)
-    (directory / TITLE_FILE).write_text(export.fix.series_title + "\n")
+    (directory / TITLE_FILE).write_text(export.title + "\n")
     (directory / COVER_FILE).write_text(cover_text(export))
     return [*written, directory / TITLE_FILE, directory / COVER_FILE]
 
@@ -465,7 +472,7 @@ def _onto(series: Series, fix: Fix, release: Version | None, checkout: Checkout,
         checkout.am([path for path in written if path.suffix == ".patch"], contributor.env())
     branch = checkout.branch() or "HEAD"
     print(f"applied onto {checkout.path} ({branch}): {count(len(export.patches), 'commit')}, "
-          f"signed off; the PR title: {export.fix.series_title}")
+          f"signed off; the PR title: {export.title}")
     print("the PR description:\n")
     print(cover_text(export), end="")
     return 0

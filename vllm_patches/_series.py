@@ -90,11 +90,12 @@ class Verdict:
 
 @dataclass(frozen=True)
 class UpstreamTestNote:
-    """An upstream test a fix's metadata names for some releases, and why:
+    """A test a fix's metadata names for some releases, and why: an upstream test in
     ``[[deselect]]`` (left out of the lane runs: the CPU, offline environment fails
     it) or ``[[timing_sensitive]]`` (rerun alone when it fails in a lane; see
-    tools/lanes.py). An upstream test whose expectation the fix changes is no note:
-    the fix amends it (``test_overlays``)."""
+    tools/lanes.py), or a fix test in ``[[fails_on_stock]]`` (it fails on stock for
+    another fix's bug there). An upstream test whose expectation the fix changes is
+    no note: the fix amends it (``test_overlays``)."""
 
     node: str
     releases_text: str  # PEP 440 specifier; "" for every release
@@ -205,6 +206,10 @@ class Fix:
     upstream_tests: tuple[str, ...]
     deselect: tuple[UpstreamTestNote, ...]
     timing_sensitive: tuple[UpstreamTestNote, ...] = ()
+    # Fix tests that check kept behaviour but fail on stock of some releases for
+    # another fix's bug there (``[[fails_on_stock]]``): on those releases the lanes
+    # expect them to fail on stock, as ``stock_fails``.
+    fails_on_stock: tuple[UpstreamTestNote, ...] = ()
     # Upstream test modules whose tests the fix changes, amended by overlays at their
     # upstream paths in this repository (``tests/v1/...``, markers as in the overlays
     # under vllm_patches/): the fix's patch carries the amended tests.
@@ -253,6 +258,8 @@ class Fix:
             deselect=UpstreamTestNote.load_all(data.get("deselect", []), path, "deselect"),
             timing_sensitive=UpstreamTestNote.load_all(data.get("timing_sensitive", []), path,
                                                        "timing_sensitive"),
+            fails_on_stock=UpstreamTestNote.load_all(data.get("fails_on_stock", []), path,
+                                                     "fails_on_stock"),
             test_overlays=tuple(data.get("test_overlays", ())),
             **pull_request,
         )
@@ -286,6 +293,12 @@ class Fix:
     def timing_sensitive_on(self, release: Version) -> list[UpstreamTestNote]:
         """The upstream tests of ``release`` whose time limits a loaded machine can miss."""
         return [entry for entry in self.timing_sensitive if entry.applies(release)]
+
+    def stock_fails_on(self, release: Version) -> tuple[str, ...]:
+        """The fix tests that must fail on stock ``release``: ``stock_fails``, and those
+        ``fails_on_stock`` names for it."""
+        return self.stock_fails + tuple(entry.node for entry in self.fails_on_stock
+                                        if entry.applies(release))
 
     def describe_needed(self) -> str:
         """Where the fix is needed: ``releases`` up to ``upstream_since`` (``>=0.18.0,<0.24.0``)."""
@@ -321,6 +334,10 @@ class SeriesTests:
     def applies(self, release: Version) -> bool:
         return bool(self.tests) and release in specifier_set(self.releases_text)
 
+    def stock_fails_on(self, release: Version) -> tuple[str, ...]:
+        """The tests that must fail on stock ``release`` (as ``Fix.stock_fails_on``)."""
+        return self.stock_fails
+
 
 @dataclass(frozen=True)
 class Series:
@@ -333,6 +350,9 @@ class Series:
     covered: tuple[Version, ...] = ()
     # Tests of the series as a whole (``[series_tests]`` in series.toml).
     series_tests: SeriesTests = SeriesTests()
+    # Lanes that run upstream's suites only for the fixes that start at their release
+    # (``narrow_lanes`` in series.toml); every lane runs every fix test.
+    narrow_lanes: frozenset[Version] = frozenset()
 
     @property
     def default_release(self) -> Version:
@@ -363,6 +383,17 @@ class Series:
     def applicable(self, release: Version) -> list[Fix]:
         """The fixes ``release`` needs, in series order."""
         return [fix for fix in self.fixes if fix.on(release).needed]
+
+    def suites_run_on(self, release: Version) -> list[Fix]:
+        """The fixes whose upstream suites the lane of ``release`` runs: every fix the
+        release needs, or on a narrow lane those it needs and the covered release
+        before it does not (the fixes that start there; the others' suites run on
+        the lanes around it)."""
+        fixes = self.applicable(release)
+        earlier = [r for r in self.covered if r < release]
+        if release not in self.narrow_lanes or not earlier:
+            return fixes
+        return [fix for fix in fixes if not fix.on(earlier[-1]).needed]
 
     @property
     def newest(self) -> Version:
@@ -401,4 +432,8 @@ def load() -> Series:
     series_tests = SeriesTests(tests=tuple(whole.get("tests", ())),
                                stock_fails=tuple(whole.get("stock_fails", ())),
                                releases_text=whole.get("releases", ""))
-    return Series(fixes=fixes, lanes=lanes, covered=covered, series_tests=series_tests)
+    narrow = frozenset(Version(r) for r in data.get("narrow_lanes", ()))
+    if not narrow <= set(lanes):
+        raise ValueError("series.toml: narrow_lanes names a release that lanes does not")
+    return Series(fixes=fixes, lanes=lanes, covered=covered, series_tests=series_tests,
+                  narrow_lanes=narrow)

@@ -4,6 +4,7 @@ import importlib.metadata
 import importlib.util
 
 import pytest
+from packaging.version import Version
 
 from vllm_patches import _cli, _doctor, _runtime
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
@@ -151,8 +152,9 @@ def test_a_patch_release_or_build_that_differs_is_not_active(v0_33_1, named, cap
                                                  "    def start_load_kv(self, *, extra=None, ", 1)
     code, out, _ = doctor(capsys)
     assert code == EXIT_REFUSED
-    # Every fix but F1, which upstream has since v0.24.0.
-    inactive = ", ".join(fix_id for fix_id in _doctor._series.load().ids if fix_id != "F1")
+    # Every fix v0.33.0 needs (F1, F15 and F16 are upstream there).
+    inactive = ", ".join(fix.id for fix in _doctor._series.load().fixes
+                         if fix.on(Version("0.33.0")).needed)
     assert f"  BAD: NOT active on vLLM {installed}: {inactive}; vLLM starts " \
            f"without the fixes (VLLM_PATCHES_STRICT=1 stops it instead). Why: {named}, and its code " \
            "differs from v0.33.0's at " \

@@ -118,6 +118,10 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F6": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)",
                            "F7": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)",
                            "F8": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)",
+                           "F15": "not applicable (needed on vLLM >=0.24.0,<0.26.0, not on "
+                                  "v0.21.0)",
+                           "F16": "not applicable (needed on vLLM >=0.24.0,<0.30.0, not on "
+                                  "v0.21.0)",
                            "F9": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
                            "F10": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
                            "F11": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",

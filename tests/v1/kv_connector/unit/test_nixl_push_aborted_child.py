@@ -199,6 +199,10 @@ class Engine:
         worker._engine_last_active[peer.engine_id] = time.perf_counter()
 
     def shutdown(self) -> None:
+        # The handshakes were made up (knows): upstream's shutdown would release
+        # NIXL state they never created, and fail (up to v0.25) in the shutdown
+        # that the worker's __del__ runs again at garbage collection.
+        self.worker._remote_agents.clear()
         with contextlib.suppress(Exception):
             self.connector.shutdown()
         self.writer.join(timeout=5)

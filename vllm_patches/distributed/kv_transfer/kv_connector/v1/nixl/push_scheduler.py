@@ -4,6 +4,11 @@
 
 NIXL push mode (v0.24+), decoder scheduler side:
 
+- F15 (v0.24.0 .. v0.25.1; upstream since v0.26.0): a decode leg carries
+  ``remote_block_ids`` (empty) from its arrival, so that the empty receive
+  request_finished stages for a decode request that finished before it was
+  scheduled can be built into the step's metadata. A push decode leg has none,
+  and its KeyError in the next schedule() ended the decoder's EngineCore.
 - F9: a registration that the watchdog gives up on (``push_registration_timeout``)
   is a failed receive: the step's metadata names it (``push_expired_registrations``,
   ``nixl/metadata.py``; the deadlines are watched from update_state_after_alloc to
@@ -47,6 +52,28 @@ from vllm_patches._overlay import (
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+@amend("F15", ">=0.24.0")
+class NixlPushConnectorScheduler:
+    """F15: a decode request aborted before it is scheduled does not end the
+    engine."""
+
+    def on_new_request(self, request: Request) -> None:
+        """Keep: a push decode leg carries ``remote_block_ids`` from its arrival.
+        Every receive the scheduler stages reaches build_connector_meta, whose
+        add_new_req_to_recv reads the key; a push proxy sends the decode leg
+        without it (the producer learns the decoder's blocks from the
+        registration). update_state_after_alloc seeds an empty tuple for the
+        receives it stages, but request_finished stages one for a request that
+        finished before it was scheduled (its client left while it waited for
+        a seat) without it, and the next schedule() raised KeyError, a fatal
+        error of the EngineCore. Upstream seeds it in request_finished from
+        v0.26.0; seeding on arrival covers every path that stages a receive."""
+        super().on_new_request(request)
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            params.setdefault("remote_block_ids", ())
 
 
 @amend("F9", ">=0.24.0")

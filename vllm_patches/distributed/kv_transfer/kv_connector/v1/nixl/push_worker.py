@@ -4,6 +4,12 @@
 
 NIXL push mode (v0.24+), worker side:
 
+- F16 (producer side, v0.24.0 .. v0.29.0; upstream since v0.30.0): a WRITE that
+  NIXL reports failed is the producer's own, not a failed receive: its handle is
+  released and the request is not reported done (its lease releases it), where
+  upstream put the producer's request id on the failed-receive queue and the next
+  get_finished ended the worker on ``assert meta is not None``. Two methods of the
+  push worker's own, each calling the base one; no upstream body changes.
 - F9 (decoder side): each request the step's metadata names in ``push_expired_registrations``
   (its registration timed out on the scheduler) is reported as a failed receive,
   as the worker reports a registration it could not send: up to v0.29 through
@@ -55,6 +61,49 @@ from vllm_patches._overlay import (
     filter_result_of,
     redirect_call_in,
 )
+
+
+@amend("F16", ">=0.24.0")
+class NixlPushConnectorWorker:
+    """F16: a failed WRITE does not end the producer's worker."""
+
+    @cached_property
+    def _failed_writes(self) -> set[ReqId]:
+        """Requests whose WRITE NIXL reported failed in the running poll of
+        _sending_transfers, until that poll leaves them out of what it returns."""
+        return set()
+
+    def _handle_failed_transfer(self, req_id: str, handle: int | None) -> None:
+        """Keep: only a request this worker receives for is reported as a failed
+        receive. The base worker's poll of transfers calls this for every failed
+        handle, the push producer's WRITEs (_sending_transfers) too, and the base
+        method queues the id in _failed_recv_reqs: the next get_finished reports
+        it done receiving, finds no _recving_metadata for it and fails
+        ``assert meta is not None``, which ends the worker, and the engine with
+        it. A WRITE fails when its decoder dies or its link drops. The failed
+        WRITE's handle is released and the failure counted, as the base method
+        does; its request stays held until its lease, as upstream does from
+        v0.30.0 ("A failed send must never be reported as done")."""
+        if req_id not in self._sending_transfers:
+            super()._handle_failed_transfer(req_id, handle)
+            return
+        self._failed_writes.add(req_id)
+        if handle is not None:
+            self.nixl_wrapper.release_xfer_handle(handle)
+        self.xfer_stats.record_failed_transfer()
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> set[str]:
+        """The base poll, less the requests whose WRITE failed in it: such a
+        request has no handle left, but its push did not complete (the decoder
+        did not get the prompt), so get_finished must not report it done
+        sending, and its lease releases it."""
+        done = super()._pop_done_transfers(transfers)
+        failed = self._failed_writes
+        if not failed:
+            return done
+        done -= failed
+        failed.clear()
+        return done
 
 
 @amend("F9", ">=0.24.0")
