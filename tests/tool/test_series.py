@@ -4,7 +4,6 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-import libcst as cst
 import pytest
 from packaging.version import Version
 
@@ -86,37 +85,6 @@ def test_every_overlay_belongs_to_listed_fixes(path):
         return
     for fix_id in parsed.fixes():
         assert relative in SERIES.fix(fix_id).overlays, f"{fix_id} does not list {relative}"
-
-
-class _ZeroArgSuper(cst.CSTVisitor):
-    """Finds a zero-argument super() in a class an overlay amends; a class it adds
-    (``@add``) is a class of its own, created in the upstream module, where super()
-    works (and upstream's ruff asks for it: UP008)."""
-
-    def __init__(self):
-        self.found = False
-        self._added: list[bool] = []
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self._added.append(any(
-            isinstance(d.decorator, cst.Call) and isinstance(d.decorator.func, cst.Name)
-            and d.decorator.func.value == "add" for d in node.decorators))
-
-    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
-        self._added.pop()
-
-    def visit_Call(self, node: cst.Call) -> None:
-        if isinstance(node.func, cst.Name) and node.func.value == "super" and not node.args:
-            self.found = self.found or not (self._added and self._added[-1])
-
-
-@pytest.mark.parametrize("path", overlay_files(), ids=lambda p: str(p.relative_to(_series.PACKAGE_DIR)))
-def test_overlays_can_be_installed_onto_live_classes(path):
-    """Zero-argument super() needs the __class__ cell of the class it is defined in,
-    which an overlay method installed onto the upstream class does not have."""
-    visitor = _ZeroArgSuper()
-    cst.parse_module(path.read_text()).visit(visitor)
-    assert not visitor.found, f"{path}: use super(UpstreamClass, self) instead"
 
 
 @pytest.mark.parametrize("release", SERIES.covered, ids=str)
