@@ -63,13 +63,19 @@ HANG_LIMIT_S = 32
 # on this 2-core machine (2026-11-27), 31 to 40 s without it. Prompt B's client (its
 # children wait for the busy request's seats) leaves HANG_LIMIT_S after the busy
 # request ended, if no answer came by then: stock never answers B.
-WAIT_LIMIT_S = 4 * HANG_LIMIT_S
+WAIT_LIMIT_S = 5 * HANG_LIMIT_S
 DECODE_TOKENS = 4
 WRITE_NS = (4, 8)
 # busy: the local request's tokens per child (its children hold every seat meanwhile):
 # at 200 they held them 19.6 s in one run and 15.6 s in another, and the lease of the
-# waiting prompt (12 s from its prefill at 3.8 s) ran out in the first only.
-BUSY_TOKENS = 320
+# waiting prompt (12 s from its prefill at 3.8 s) ran out in the first only. At 320 a
+# faster 2-core machine (2026-11-27, stop 39) freed the seats 8.4 to 8.9 s after prompt
+# B's legs left, under its 12 s lease, in all three runs, and at 460 13.3 to 21.6 s after:
+# too close. 900, which the decoder's longer max_model_len admits, holds them about
+# twice as long as 460.
+BUSY_TOKENS = 900
+# The decoder's max_model_len: the busy request's prompt (35 tokens) and BUSY_TOKENS.
+DECODER_MAX_MODEL_LEN = 1024
 ABORT_AFTER_S = 2.0
 # slow: the producer's WRITE of prompt SLOW_RID is reported in flight this long after it
 # is posted (the probe's SLOW_WRITE_ENV; its bytes land at once): past the prompt's lease
@@ -110,7 +116,8 @@ class PushPair:
         self.decoder = nixl_server("decoder", run_dir, 8200, PRODUCER_SIDE_PORT + 1, core=1,
                                    connector=connector, lease=LEASE_S,
                                    kv_transfer=push_config("decoder", connector),
-                                   max_num_seqs=DECODER_SEATS)
+                                   max_num_seqs=DECODER_SEATS,
+                                   max_model_len=DECODER_MAX_MODEL_LEN)
         self.ready = {"producer_s": round(self.producer.wait_ready(), 1),
                       "decoder_s": round(self.decoder.wait_ready(), 1)}
 
