@@ -49,11 +49,11 @@ PROMPT = "cmpl-push-write-0-aaaaaaaa"
 
 
 class FakeNixlAgent:
-    """A NIXL agent whose transfers all report ``state``."""
-
-    state = "PROC"
+    """A NIXL agent whose transfers all report ``state`` (in flight until a
+    test sets it)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.state = "PROC"
         self.released: list[Any] = []
 
     def check_xfer_state(self, handle: Any) -> str:
@@ -161,28 +161,22 @@ def producer(dist_world, monkeypatch) -> Iterator[Producer]:
 def test_failed_write_keeps_the_worker(producer, clock):
     """The WRITE fails: the worker goes on stepping, releases the handle, and
     the prompt is released by its lease, not reported done before it."""
-    FakeNixlAgent.state = "ERR"
-    try:
-        for _ in range(3):
-            producer.step()
-        assert producer.agent.released == ["write-handle"]
-        assert PROMPT not in producer.released, (
-            "a failed WRITE was reported as a completed push"
-        )
-        clock[0] += LEASE + 1
+    producer.agent.state = "ERR"
+    for _ in range(3):
         producer.step()
-        assert producer.released == {PROMPT}
-    finally:
-        FakeNixlAgent.state = "PROC"
+    assert producer.agent.released == ["write-handle"]
+    assert PROMPT not in producer.released, (
+        "a failed WRITE was reported as a completed push"
+    )
+    clock[0] += LEASE + 1
+    producer.step()
+    assert producer.released == {PROMPT}
 
 
 def test_completed_write_releases_the_prompt(producer):
     """A WRITE that completes releases the prompt at once, as before."""
     producer.step()
     assert not producer.released
-    FakeNixlAgent.state = "DONE"
-    try:
-        producer.step()
-        assert producer.released == {PROMPT}
-    finally:
-        FakeNixlAgent.state = "PROC"
+    producer.agent.state = "DONE"
+    producer.step()
+    assert producer.released == {PROMPT}
