@@ -46,7 +46,7 @@ from typing import Any
 
 from e2e_probe import SLOW_WRITE_ENV
 from faults import call, tokens_of
-from scenarios import Server, log_lines, metric, nixl_server, poke, probe_lines
+from scenarios import Breakdown, Server, log_lines, metric, nixl_server, poke, probe_lines
 
 # A short lease, so that the lease cases fit in a short run (upstream: 480 s). Heartbeats
 # every lease // 6 s.
@@ -252,21 +252,31 @@ def retry_case(pair: PushPair) -> dict[str, Any]:
 
 
 def busy_case(pair: PushPair) -> dict[str, Any]:
+    """The busy request, prompt A (its client leaves) and prompt B (it waits), each on
+    its own thread: B's legs go ``ABORT_AFTER_S`` and a half after A's, whatever A's
+    calls wait for. (A CI run through MultiConnector, stop 39, sent B's legs only once
+    A's calls and the producer's poke were done, 35 s later, when the busy request had
+    already freed the seats.) Raises ``Breakdown`` when the busy request freed the
+    decoder's seats within B's lease from B's prefill, or within ``ABORT_AFTER_S`` from
+    A's legs: the machine did not set the case up, and no check could read it."""
     started = time.monotonic()
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         busy = pool.submit(call, pair.decoder, {"prompt": tokens_of(1, 3, 7000),
                                                 "n": DECODER_SEATS,
                                                 "max_tokens": BUSY_TOKENS},
                            limit_s=WAIT_LIMIT_S)
         time.sleep(1.0)
         before_a = sample(pair.producer, PRODUCER_METRICS)
-        aborted = legs(pair, "push-abort", tokens_of(2, 3, 8000), 2, 2,
-                       disconnect_after_s=ABORT_AFTER_S)
-        poke(pair.producer)
-        after_a = sample(pair.producer, PRODUCER_METRICS)
+        aborted = pool.submit(legs, pair, "push-abort", tokens_of(2, 3, 8000), 2, 2,
+                              disconnect_after_s=ABORT_AFTER_S)
+        time.sleep(ABORT_AFTER_S + 0.5)
         give_up = threading.Event()
         waited = pool.submit(legs, pair, "push-wait", tokens_of(2, 5, 9000), 2, 2,
                              limit_s=WAIT_LIMIT_S, give_up=give_up)
+        aborted_flow = aborted.result()
+        poke(pair.producer)
+        after_a = sample(pair.producer, PRODUCER_METRICS)
+        t_after_a = time.monotonic()
         busy_call = busy.result()
         t_busy_done = time.monotonic()
         leave = threading.Timer(HANG_LIMIT_S, give_up.set)
@@ -275,12 +285,29 @@ def busy_case(pair: PushPair) -> dict[str, Any]:
         waited_flow = waited.result()
         leave.cancel()
     time.sleep(2.0)
+    check_seats_held(waited_flow, aborted_flow, t_busy_done)
     return {"t_start": started, "busy": busy_call, "t_busy_done": t_busy_done,
             "producer_before_abort": before_a, "producer_after_abort": after_a,
-            "aborted": {**aborted, **traffic(pair, "push-abort")},
+            "t_after_abort": t_after_a,
+            "aborted": {**aborted_flow, **traffic(pair, "push-abort")},
             "waited": {**waited_flow, **traffic(pair, "push-wait")},
             "heartbeats": heartbeats(pair, started),
             "decoder_after": sample(pair.decoder, DECODER_METRICS)}
+
+
+def leased_at(flow: dict[str, Any]) -> float:
+    """When the producer's lease of a prompt started at the latest: its prefill's end."""
+    return flow["t_start"] + flow["prefill"]["s"]
+
+
+def check_seats_held(waited: dict[str, Any], aborted: dict[str, Any],
+                     t_busy_done: float) -> None:
+    """Case busy's premise (``busy_case``): raises ``Breakdown`` when it was not met."""
+    held_b, held_a = t_busy_done - leased_at(waited), t_busy_done - aborted["t_start"]
+    if held_b <= LEASE_S or held_a <= ABORT_AFTER_S:
+        raise Breakdown(f"case busy: the busy request freed the decoder's seats "
+                        f"{held_b:.1f} s after B's prefill (lease {LEASE_S} s) and "
+                        f"{held_a:.1f} s after A's legs (A leaves at {ABORT_AFTER_S} s)")
 
 
 def slow_writes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

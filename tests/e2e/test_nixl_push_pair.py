@@ -200,14 +200,13 @@ def test_a_retry_is_written_to_its_own_registration(mode: str, connector: str) -
         assert len(dropped) == len(stale), retry["dropped_lines"]
 
 
-def check_seats_held(record: dict, case: dict, since: float, for_s: float) -> None:
-    """The case's premise: the busy request held every decoder seat from ``since`` for
-    more than ``for_s`` seconds, all its samples to their full length."""
+def check_busy_served(record: dict, case: dict) -> None:
+    """The busy request of case ``busy`` was served, all its samples to their full
+    length. (That it held the seats long enough is the case's premise: the scenario
+    counts a run without it as broken down, and runs it again.)"""
     busy = case["busy"]
     assert busy["status"] == 200 and \
         busy["completion_tokens"] == record["decoder_seats"] * record["busy_tokens"], busy
-    assert case["t_busy_done"] - since > for_s, \
-        f"the busy request freed the decoder's seats within {for_s} s: {busy}"
 
 
 @RUNS
@@ -221,7 +220,7 @@ def test_waiting_children_keep_their_prompt(mode: str, connector: str) -> None:
     run.check_reached()
     case = run.cases["busy"]
     waited = case["waited"]
-    check_seats_held(run.record, case, since=waited["t_start"], for_s=run.record["lease_s"])
+    check_busy_served(run.record, case)
     expired = expired_requests(waited["expired_lines"])
     if bug_expected("F10", mode):
         assert len(expired) == waited["d_n"] and waited["writes"] == [], waited
@@ -243,9 +242,11 @@ def test_aborted_children_release_their_prompt(mode: str, connector: str) -> Non
     run = push_run(mode, connector)
     run.check_reached()
     aborted = run.cases["busy"]["aborted"]
-    check_seats_held(run.record, run.cases["busy"], since=aborted["t_start"],
-                     for_s=run.record["abort_after_s"])
-    assert aborted["registrations_sent"] == [] and aborted["writes"] == [], aborted
+    check_busy_served(run.record, run.cases["busy"])
+    timeline = {key: aborted[key] for key in ("t_start", "prefill", "decode", "writes")}
+    timeline["t_busy_done"] = run.cases["busy"]["t_busy_done"]
+    assert aborted["registrations_sent"] == [] and aborted["writes"] == [], \
+        (aborted["registrations_sent"], timeline)
     expired = expired_requests(aborted["expired_lines"])
     releases = [name for beat in run.cases["busy"]["heartbeats"] for name in beat["names"]
                 if name.startswith("push-release/") and aborted["rid"] in name]
