@@ -258,6 +258,27 @@ def test_failed_read_does_not_strand_the_others():
     assert computed(children)
 
 
+def test_children_that_come_after_the_reader_finished_read_nothing():
+    """The front end adds the children to the engine one by one: the first can be
+    read, served and finished before the others arrive (seen in a real push pair,
+    0.3 s apart). They take the prompt from the prefix cache and notify the
+    producer; none reads its last block again."""
+    vllm_config = create_vllm_config()
+    scheduler, [first] = queued_children(vllm_config, 1)
+    pulls = Pulls()
+    pulls.run(scheduler, [first])
+    assert computed([first]) and list(pulls.reads) == [first.request_id]
+    scheduler.finish_requests(first.request_id, RequestStatus.FINISHED_STOPPED)
+
+    late = make_children(3, vllm_config.cache_config.block_size, first_id=2)
+    for child in late:
+        scheduler.add_request(child)
+    pulls.run(scheduler, late)
+    assert list(pulls.reads) == [first.request_id], pulls.reads
+    assert sorted(pulls.notified) == sorted(c.request_id for c in late)
+    assert computed(late)
+
+
 @pytest.mark.parametrize("why", ["no prefix caching", "switched off"])
 def test_every_child_reads_without_a_prefix_cache_to_share(why):
     """Without a decoder prefix cache (or with kv_connector_extra_config

@@ -46,7 +46,10 @@ class Pair:
         n: int,
         producer_config: dict[str, Any] | None = None,
         decoder_config: dict[str, Any] | None = None,
+        first: int | None = None,
     ) -> None:
+        """``first``: how many of the decoder's children come now (all by
+        default); ``add_children`` adds the rest."""
         self.producer: Engine = make_engine(**(producer_config or {}))
         self.decoder: Engine = make_engine(**(decoder_config or {}))
         self.decoder.knows(self.producer)
@@ -74,12 +77,19 @@ class Pair:
             lambda: all(self.producer.holds(r) and r.is_finished() for r in self.held),
             self.producer,
         ), "the producer did not prefill the prompt's children"
-        self.children = [
+        self.children: list[Request] = []
+        self.add_children(range(n if first is None else first))
+
+    def add_children(self, indices: range) -> list[Request]:
+        """The decoder's children ``indices`` of the decode leg come."""
+        added = [
             self.decoder.add_decode(
                 f"{i}_cmpl-pair-0-bbbbbbbb", self.producer, same_prompt=True
             )
-            for i in range(n)
+            for i in indices
         ]
+        self.children += added
+        return added
 
     def step(self) -> None:
         self.decoder.step()
@@ -152,6 +162,38 @@ def test_other_children_release_their_prompt_at_once(make_engine, n):
     ), "the producer holds the other children's prompt (until its lease)"
     assert pair.producer.holds(pair.held[index])
     assert pair.writes == [reader]
+
+
+def test_children_that_come_after_the_first_finished_register_nothing(make_engine):
+    """The front end adds the children to the engine one by one: the first can be
+    served and finished before the others arrive (seen in a real pair through
+    MultiConnector: 7 children of an n = 8 request came 0.3 s after the first, and
+    the first of them registered the prompt's last block, a second WRITE). They
+    take the prompt from the prefix cache and release their producer siblings."""
+    n = 4
+    pair = Pair(make_engine, n, first=1)
+    assert step_until(lambda: len(pair.writes) == 1, pair.decoder, pair.producer)
+    pair.complete_writes()
+    [first] = pair.children
+    assert step_until(
+        lambda: first.status == RequestStatus.RUNNING, pair.decoder, pair.producer
+    ), first.status
+    pair.decoder.scheduler.finish_requests(
+        first.request_id, RequestStatus.FINISHED_STOPPED
+    )
+
+    late = pair.add_children(range(1, n))
+    assert step_until(pair.prompts_done, pair.decoder, pair.producer), [
+        (c.request_id, c.status, c.num_computed_tokens) for c in late
+    ]
+    for _ in range(5):
+        pair.step()
+    assert len(pair.registrations) == 1 and pair.writes == [first.request_id]
+    assert step_until(
+        lambda: not any(pair.producer.holds(held) for held in pair.held[1:]),
+        pair.decoder,
+        pair.producer,
+    ), "the producer holds the late children's prompt (until its lease)"
 
 
 def test_a_failed_registration_is_not_repeated(make_engine, monkeypatch):

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from vllm_patches._overlay import add
@@ -24,10 +25,11 @@ if TYPE_CHECKING:
 
 @add("F5", ">=0.18.0")
 class _PromptRead:
-    """One remote prompt on the decoder: the request that reads it, and every
-    request with its kv_transfer_params that asked the connector so far."""
+    """One remote prompt on the decoder: the request that reads it (None: nobody,
+    the prompt's earlier requests all finished), and every request with its
+    kv_transfer_params that asked the connector so far."""
 
-    def __init__(self, reader: "Request") -> None:
+    def __init__(self, reader: "Request | None") -> None:
         self.reader = reader
         self.members: set[str] = set()
 
@@ -59,17 +61,30 @@ class PromptReads:
       does). A request whose hit is shorter (evicted, failed load, no prefix
       caching) becomes the reader and READs itself: never worse than upstream.
     - State lives from a prompt's first request until its last one finished
-      (``finished``): nothing outlives the requests that use it.
+      (``finished``); then only the prompt's name outlives them, among the last
+      ``ended_limit`` prompts that ended. A request of an ended prompt has no
+      reader to wait on: it takes the prompt from the prefix cache as above, or
+      becomes the reader. The front end adds the children of an ``n > 1`` request
+      to the engine one by one, and a late one can find every earlier sibling
+      finished (seen in a real push pair through MultiConnector: the 7 other
+      children of an n = 8 request reached the scheduler 0.3 s after the first,
+      which had been served and had finished; the first late child registered
+      the prompt's last block again, a second WRITE).
     """
 
     # A pull decode leg names the remote blocks it reads (the prefill's response
     # lists them); one without them reads nothing.
     names_remote_blocks = True
 
+    # Names of ended prompts kept (two short strings each: well under a MiB). A
+    # late sibling arrives within a step or a few of the others.
+    ended_limit = 4096
+
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._reads: dict[tuple[str, str], _PromptRead] = {}
         self._prompt_of: dict[str, tuple[str, str]] = {}
+        self._ended: OrderedDict[tuple[str, str], bool] = OrderedDict()
 
     @classmethod
     def for_decoder(
@@ -111,12 +126,13 @@ class PromptReads:
             return None
         read = self._reads.get(prompt)
         if read is None:
-            read = self._reads[prompt] = _PromptRead(reader=request)
+            ended = self._ended.pop(prompt, False)
+            read = self._reads[prompt] = _PromptRead(None if ended else request)
         read.members.add(request.request_id)
         self._prompt_of[request.request_id] = prompt
         if read.reader is request:
             return None
-        if self._loading(read.reader):
+        if read.reader is not None and self._loading(read.reader):
             return None, False
         if request.num_prompt_tokens - num_computed_tokens <= self.block_size:
             return 0, False
@@ -146,6 +162,9 @@ class PromptReads:
         read.members.discard(request.request_id)
         if not read.members:
             del self._reads[prompt]
+            self._ended[prompt] = True
+            if len(self._ended) > self.ended_limit:
+                self._ended.popitem(last=False)
 
 
 @add("F12", ">=0.28.0")
