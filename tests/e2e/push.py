@@ -24,9 +24,10 @@ Cases, in the order they run:
   decoder with seats for all children (they allocate in one step): WRITEs and bytes
   per prompt;
 - ``mismatch``: the prefill leg with n=1 and the decode leg with n=4;
-- ``late``: a prefill leg with n=4, then, past the producer's lease, its decode leg;
+- ``late``: a prefill leg with n = ``LATE_N``, then, past the producer's lease, its
+  decode leg;
 - ``retry``: the client of ``late`` tries again with the same ``X-Request-Id`` once
-  its decode leg failed or hung: both legs again, n=4 (what a gateway that retries
+  its decode leg failed or hung: both legs again (what a gateway that retries
   sends: it keeps the request's id);
 - ``busy``: a local request with n = ``DECODER_SEQS`` takes every decoder seat for
   longer than the lease; meanwhile prompt A's legs (n=2) come and A's client leaves after
@@ -216,6 +217,11 @@ def mismatch_case(pair: PushPair) -> dict[str, Any]:
 
 
 LATE_RID = "push-late"
+# n of both legs of ``late`` and ``retry``. With n > 1, the fixed decoder's other
+# children compute the late prompt once its one registration failed (F12), so the
+# retry finds it in the decoder's prefix cache and registers nothing (stop 40's
+# clean-clone run): no WRITE would show where the producer writes a retry.
+LATE_N = 1
 
 
 def late_prompt() -> list[int]:
@@ -225,16 +231,17 @@ def late_prompt() -> list[int]:
 def late_case(pair: PushPair) -> dict[str, Any]:
     rid, prompt = LATE_RID, late_prompt()
     started = time.monotonic()
-    prefill_call = call(pair.producer, prefill_payload(prompt, 4),
+    prefill_call = call(pair.producer, prefill_payload(prompt, LATE_N),
                         headers={"X-Request-Id": rid}, limit_s=HANG_LIMIT_S)
     time.sleep(LEASE_S + 2)
     poke(pair.producer)
     poke(pair.producer)
     usage_before_decode = sample(pair.producer, PRODUCER_METRICS)
-    decode_call = call(pair.decoder, decode_payload(prompt, 4, rid, DECODE_TOKENS),
+    decode_call = call(pair.decoder, decode_payload(prompt, LATE_N, rid, DECODE_TOKENS),
                        headers={"X-Request-Id": rid}, limit_s=HANG_LIMIT_S)
     time.sleep(2.0)
-    return {"rid": rid, "t_start": started, "prefill": prefill_call,
+    return {"rid": rid, "p_n": LATE_N, "d_n": LATE_N, "t_start": started,
+            "prefill": prefill_call,
             "producer_before_decode": usage_before_decode, "decode": decode_call,
             "decoder_after": sample(pair.decoder, DECODER_METRICS), **traffic(pair, rid)}
 
@@ -243,7 +250,7 @@ def retry_case(pair: PushPair) -> dict[str, Any]:
     """Both legs of prompt ``late`` again, with its X-Request-Id: the producer's WRITEs
     from then on (the decoder requests they name), and the producer's lines that drop
     a parked registration."""
-    flow = legs(pair, LATE_RID, late_prompt(), 4, 4)
+    flow = legs(pair, LATE_RID, late_prompt(), LATE_N, LATE_N)
     time.sleep(2.0)
     writes = [w for w in traffic(pair, LATE_RID)["writes"] if w["t"] >= flow["t_start"]]
     return {**flow, "writes": writes, "write_targets": sorted({w["to"] for w in writes}),
