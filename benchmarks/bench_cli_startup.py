@@ -6,7 +6,7 @@ the release's whole series with `vllm-patches apply CHECKOUT` and with `git am` 
 same patch files, the checkout reset to the release before each (the two alternate, so
 machine drift hits both). Prints the median of each and apply/git-am.
 
-Goals (issue 11): `--help`, `list` and `status` under 0.2 s; `apply` within 3x `git am`.
+Goals: `--help`, `list` and `status` under 0.2 s; `apply` within 3x `git am`.
 Run it with the machine otherwise idle, e.g. `flock /tmp/heavy.lock .venv/bin/python
 benchmarks/bench_cli_startup.py --rounds 15`.
 """

@@ -1,7 +1,6 @@
 """Bring a CUDA vLLM onto the lent GPU machine and run F4's integration plan there.
 
-The GPU machine (``run`` tool of a session, /work/.library/device/README.md) has
-Python 3.12 with torch 2.11.0+cu130 and no network; it takes at most 64 MiB of
+A lent GPU machine has Python 3.12 with torch 2.11.0+cu130 and no network; it takes at most 64 MiB of
 working tree per call, including what ``carry`` names, and keeps /tmp while it stays
 warm. The CUDA vLLM wheel alone is 237 MiB, so it travels in parts:
 

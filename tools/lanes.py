@@ -61,7 +61,7 @@ from vllm_patches._words import count
 
 REPO = Path(__file__).resolve().parent.parent
 # Venvs, trees and reports; VLLM_PATCHES_BUILD puts them elsewhere (a second checkout or
-# helper can run lanes without touching another run's trees).
+# a parallel run can run lanes without touching another run's trees).
 BUILD = Path(os.environ.get("VLLM_PATCHES_BUILD") or REPO / "build").resolve()
 TORCH = "torch==2.13.0"  # the CPU build this machine's pip takes from local disk
 # Test-only packages vLLM's test trees import, beyond the release's requirements.

@@ -1,5 +1,5 @@
 """The P/D fault matrix: one NIXL pair driven through what operators meet besides the
-happy path (issue 27 of this project; the leases of vllm PR 41383, the sibling release
+happy path (the leases of vllm PR 41383, the sibling release
 of PR 43509).
 
 One pair per mode and connector (``scenarios.nixl_faults`` runs ``run``): the producer

@@ -1,5 +1,5 @@
-"""NIXL push mode (``NixlPushConnector``, vLLM v0.24+) in a real pair: the exploration
-of issue 28 (docs/push-mode.md) and the CI pair of ``test_nixl_push_pair.py``, stock
+"""NIXL push mode (``NixlPushConnector``, vLLM v0.24+) in a real pair
+(docs/push-mode.md): the CI pair of ``test_nixl_push_pair.py``, stock
 and fixed (``scenarios.nixl_push`` runs ``run``).
 
 Push mode turns the transfer around: the decoder registers its freshly allocated blocks
@@ -10,8 +10,8 @@ at once with one ``X-Request-Id``, as upstream's push proxy example
 and ``do_remote_decode``; the decoder gets ``do_remote_prefill`` with the producer's
 engine id, side-channel host and port, TP/PP sizes and the shared id, and no block ids.
 
-This module drives one pair through the cases that test the issue's reading of the push
-code; it checks nothing (``test_nixl_push_pair.py`` does) and records, per case, the
+This module drives one pair through the cases where stock push mode goes wrong
+(docs/push-mode.md); it checks nothing (``test_nixl_push_pair.py`` does) and records, per case, the
 client calls, the producer's WRITEs (the probe's ``read`` events with ``op`` WRITE;
 their notification names the decoder's request), the decoder's registrations and
 heartbeats (its ``notif_sent`` events), the producer's NIXL metrics and expiry lines,
@@ -70,7 +70,7 @@ WRITE_NS = (4, 8)
 # busy: the local request's tokens per child (its children hold every seat meanwhile):
 # at 200 they held them 19.6 s in one run and 15.6 s in another, and the lease of the
 # waiting prompt (12 s from its prefill at 3.8 s) ran out in the first only. At 320 a
-# faster 2-core machine (2026-11-27, stop 39) freed the seats 8.4 to 8.9 s after prompt
+# faster 2-core machine (2026-11-27, at 849131c) freed the seats 8.4 to 8.9 s after prompt
 # B's legs left, under its 12 s lease, in all three runs, and at 460 13.3 to 21.6 s after:
 # too close. 900, which the decoder's longer max_model_len admits, holds them about
 # twice as long as 460.
@@ -219,8 +219,8 @@ def mismatch_case(pair: PushPair) -> dict[str, Any]:
 LATE_RID = "push-late"
 # n of both legs of ``late`` and ``retry``. With n > 1, the fixed decoder's other
 # children compute the late prompt once its one registration failed (F12), so the
-# retry finds it in the decoder's prefix cache and registers nothing (stop 40's
-# clean-clone run): no WRITE would show where the producer writes a retry.
+# retry finds it in the decoder's prefix cache and registers nothing (the
+# clean-clone run of 4f33b04): no WRITE would show where the producer writes a retry.
 LATE_N = 1
 
 
@@ -261,7 +261,7 @@ def retry_case(pair: PushPair) -> dict[str, Any]:
 def busy_case(pair: PushPair) -> dict[str, Any]:
     """The busy request, prompt A (its client leaves) and prompt B (it waits), each on
     its own thread: B's legs go ``ABORT_AFTER_S`` and a half after A's, whatever A's
-    calls wait for. (A CI run through MultiConnector, stop 39, sent B's legs only once
+    calls wait for. (A CI run of f2e8f82 through MultiConnector sent B's legs only once
     A's calls and the producer's poke were done, 35 s later, when the busy request had
     already freed the seats.) Raises ``Breakdown`` when the busy request freed the
     decoder's seats within B's lease from B's prefill, or within ``ABORT_AFTER_S`` from

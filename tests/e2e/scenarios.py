@@ -643,7 +643,7 @@ def f3_early_notification(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]
     }
 
 
-# The load scenario (issue 16): closed-loop clients against a producer whose KV pool is
+# The load scenario: closed-loop clients against a producer whose KV pool is
 # bounded. LOAD_FULL_BLOCKS full blocks per prompt, shared by its n siblings through the
 # producer's prefix cache, plus a partial block per sibling.
 LOAD_FULL_BLOCKS = 4

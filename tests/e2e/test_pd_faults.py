@@ -1,4 +1,4 @@
-"""The P/D fault matrix in a real NIXL pair (issue 27 of this project): children
+"""The P/D fault matrix in a real NIXL pair: children
 admitted in waves past the lease, clients that disconnect, engines killed and restarted.
 
 One pair per run (``faults.py``, which says what each case sends): a producer and a

@@ -1,5 +1,5 @@
 """`vllm-patches cache` shows and reclaims the cache, and slow verbs show progress on a
-terminal only (issue 11, item 9)."""
+terminal only."""
 
 import io
 import sys
@@ -70,8 +70,8 @@ def test_progress_only_on_a_terminal(cache, monkeypatch, capsys):
 
 
 def test_piped_a_logged_step_is_one_line_with_its_context(monkeypatch):
-    """A release being downloaded is minutes of silence in a CI log otherwise (issue 29,
-    item 2); the other steps stay off piped stderr."""
+    """A release being downloaded is minutes of silence in a CI log otherwise;
+    the other steps stay off piped stderr."""
     from vllm_patches import _progress
 
     piped = io.StringIO()
@@ -95,7 +95,7 @@ def test_a_count_names_its_noun_in_the_right_number(number, shown):
 
 
 def test_removing_a_release_that_is_not_cached_says_so(cache, capsys):
-    """It said "removed 0 B (0 items)" (issue 29, item 6); nothing to do is exit 0."""
+    """It said "removed 0 B (0 items)"; nothing to do is exit 0."""
     assert main(["cache", "--remove", "v9.9.9"]) == EXIT_OK
     assert capsys.readouterr().out == f"v9.9.9: nothing of this release is cached in {cache}\n"
     assert main(["cache", "--remove", "v9.9.9", "v0.21.0"]) == EXIT_OK

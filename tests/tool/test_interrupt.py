@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM at any instant of a real `apply` or `revert` (issue 29, item 1).
+"""SIGINT and SIGTERM at any instant of a real `apply` or `revert`.
 
 A user's `timeout -s INT 0.2 vllm-patches apply .` (or Ctrl-C on a terminal, which
 signals the whole process group, git's children included) left a traceback and, by

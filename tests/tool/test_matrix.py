@@ -159,7 +159,7 @@ def test_write_readme_writes_the_section_of_the_doc_that_holds_it(tmp_path, caps
     assert _matrix.SECTION.search(written).group(0) == _matrix.SECTION.search(doc()).group(0)
 
 
-# ------------------------------------------------- without the dev extras (issue 29, item 2)
+# ------------------------------------------------- without the dev extras
 
 NO_RUFF = ("vllm-patches: error: regen and matrix need ruff, from the dev extras: in a "
            "vllm-patches clone, python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'\n")

@@ -1,4 +1,4 @@
-"""The port drill (issue 17): a port to a release whose code the fixes touch is unchanged
+"""The port drill: a port to a release whose code the fixes touch is unchanged
 costs one bound edit plus `regen`.
 
 On a copy of the repository, the newest covered release is taken out of the series

@@ -2,12 +2,12 @@
 
 README is the first screen: what the project is, the two commands that take a new user
 from a clone to a result (apply the series; run every test, as CI does), and links into
-docs/ for the rest. Issue 29, item 4: its commands sat at lines 85 and 97 of 863, after
-tables; these tests keep them on the first screen, README short, and every relative link
+docs/ for the rest. Its commands once sat at lines 85 and 97 of 863, after tables;
+these tests keep them on the first screen, README short, and every relative link
 of README and docs/ pointing at a file and heading that exist.
 
-The examples of the runtime plugin's log line are lines the plugin can log (issue 19,
-item 3: README showed ``active: F1; upstream: none; not applicable: none`` for v0.21.0,
+The examples of the runtime plugin's log line are lines the plugin can log
+(README once showed ``active: F1; upstream: none; not applicable: none`` for v0.21.0,
 where every fix of the series is needed, so no process could log it), and the CLI
 reference names every option each verb takes.
 """

@@ -734,7 +734,7 @@ class Worker:
 
 
 def test_a_tree_patched_by_a_series_whose_later_fix_replaces_a_member_is_left_alone(fake):
-    """Issue 19, item 3: a checkout `apply` patched, installed with the Python-only build,
+    """A checkout `apply` patched, installed with the Python-only build,
     holds F3's version of a method F2 adds and F4's `__doc__` as the class docstring; the
     plugin took F2 for not in the tree and refused (`@add ... but the module already
     defines it`), so vLLM did not start on the fixed tree."""
@@ -970,7 +970,7 @@ def plugin_lines(caplog) -> list[tuple[int, str]]:
 
 def test_a_patch_release_identical_at_every_target_runs_the_fixes_as_the_covered_one(
         on_v0_33_1, caplog):
-    """Issue 19, item 2: vLLM v0.33.1 stopped at startup although its code at every
+    """VLLM v0.33.1 stopped at startup although its code at every
     target is v0.33.0's; the plugin compares it and activates as v0.33.0."""
     caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
     on_v0_33_1.install_source(HOOKED.replace("        return {\"a\"}", "        return {\"a\", \"x\"}")
@@ -990,7 +990,7 @@ def test_a_patch_release_identical_at_every_target_runs_the_fixes_as_the_covered
                                                   ("0.34.0rc1.dev3+g1234567", "0.34.0rc1.dev3")])
 def test_a_development_build_identical_at_every_target_runs_as_the_newest_covered(
         on_v0_33_1, monkeypatch, caplog, installed, shown):
-    """Issue 29, item 7: a vLLM built from main got no fix without
+    """A vLLM built from main got no fix without
     VLLM_PATCHES_ALLOW_UNSUPPORTED=1, even with v0.33.0's code at every target. It is
     compared with the newest covered release not newer than its base (0.33.1, 0.34.0),
     and runs as it, with a WARNING, exactly as a patch release."""

@@ -107,7 +107,7 @@ def test_patches_dir_holds_exactly_the_covered_releases():
 
 
 def test_ranges_read_lower_bound_first_everywhere(capsys):
-    """Issue 11, item 10: `list` wrote <0.24.0,>=0.18.0 where the docs write >=0.18.0,<0.24.0
+    """`list` wrote <0.24.0,>=0.18.0 where the docs write >=0.18.0,<0.24.0
     (the matrix's legend, docs/supported-releases.md, which README links to)."""
     from vllm_patches._cli import main
 
@@ -225,7 +225,7 @@ def test_a_series_file_that_does_not_match_the_series_is_refused(tmp_path, monke
 
 
 def test_the_newest_covered_release_is_the_one_upper_bound():
-    """Issue 17: how far the series is verified is written once, `covered`'s last entry;
+    """How far the series is verified is written once, `covered`'s last entry;
     it is a lane, and the supported range ends there."""
     assert SERIES.newest == SERIES.covered[-1] == SERIES.lanes[-1]
     assert SERIES.newest in SERIES.supported

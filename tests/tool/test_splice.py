@@ -643,7 +643,7 @@ def test_partial_classes_of_one_fix_may_share_a_release_with_disjoint_members(tm
         spliced(clash)
 
 
-# ------------------------------------------------------------------ one upper bound (issue 17)
+# ------------------------------------------------------------------ one upper bound
 
 SERIES = _series.load()
 OVERLAY_PATHS = [_series.PACKAGE_DIR / o for fix in SERIES.fixes for o in fix.overlays]

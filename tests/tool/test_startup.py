@@ -1,4 +1,4 @@
-"""The command starts fast and ends cleanly (issue 11, items 6 and 8): verbs import only
+"""The command starts fast and ends cleanly: verbs import only
 what they use, a plan is computed once with few git calls, a closed pipe is no error.
 Times are measured in benchmarks/bench_cli_startup.py; tests never assert on time."""
 
@@ -33,7 +33,7 @@ def imported_by(*argv: str) -> list[str]:
 @pytest.mark.parametrize("argv", [["--help"], ["list", "-v"], ["status", "{checkout}"],
                                   ["apply", "--check", "{checkout}"]], ids=" ".join)
 def test_quick_verbs_import_neither_libcst_nor_the_network(argv, checkout):
-    """Issue 11, item 8: every command imported libcst (0.7 s on a loaded machine)."""
+    """Every command imported libcst (0.7 s on a loaded machine)."""
     assert imported_by(*(arg.format(checkout=checkout) for arg in argv)) == []
 
 
@@ -51,8 +51,8 @@ def count_git_calls(monkeypatch) -> list[tuple[str, ...]]:
 
 
 def test_status_and_apply_of_a_release_run_few_git_commands(checkout, monkeypatch, capsys):
-    """Item 8: the plan is computed once, from the committed blob ids: status is three
-    git commands (and HEAD read again once the repository's lock is held: issue 19),
+    """The plan is computed once, from the committed blob ids: status is three
+    git commands (and HEAD read again once the repository's lock is held),
     apply adds git am (and the identity lookup) and nothing else."""
     calls = count_git_calls(monkeypatch)
     assert main(["status", str(checkout)]) == EXIT_OK
@@ -77,8 +77,8 @@ def closed_pipe_run(*argv: str, read_lines: int) -> tuple[int, str]:
 
 @pytest.mark.parametrize("read_lines", [0, 1])
 def test_a_reader_that_leaves_changes_no_exit_code(read_lines):
-    """Issue 11, item 6: `vllm-patches list -v | head` ended in a BrokenPipeError
-    traceback. Issue 19, item 6: README promised 141, but `list -v` fits the pipe's
+    """`vllm-patches list -v | head` ended in a BrokenPipeError
+    traceback. README promised 141, but `list -v` fits the pipe's
     buffer and exited 0 unless the reader left before the first write: the code told
     when the reader left. It is now the verb's own, whenever the reader leaves."""
     assert closed_pipe_run("list", "-v", read_lines=read_lines) == (EXIT_OK, "")
@@ -94,7 +94,7 @@ def test_a_cut_short_refusal_keeps_its_exit_code(checkout):
 
 
 def test_bad_arguments_are_one_line(capsys):
-    """Item 6: a bad --release printed argparse's usage block."""
+    """A bad --release printed argparse's usage block."""
     for argv in (["status", "--release", "v0.x", "."], ["apply", "--bogus"], ["nosuchverb"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

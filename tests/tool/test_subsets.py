@@ -1,4 +1,4 @@
-"""Issue 29, item 3: one conflicting fix blocks only the fixes that require it, and
+"""One conflicting fix blocks only the fixes that require it, and
 `status`, `apply` and `revert` take a subset of the fixes (``--fix``), all or nothing
 for that subset. On real release checkouts (v0.21.0: every fix but F3 stands alone;
 v0.18.1: F2, F3 and F5 change one file)."""

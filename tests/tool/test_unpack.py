@@ -1,6 +1,6 @@
 """Unpacking a release archive, with and without tarfile's extraction filters.
 
-Issue 19, item 3: README's first command, followed on Debian 12 (whose python3 is 3.11.2,
+README's first command, followed on Debian 12 (whose python3 is 3.11.2,
 from before Python 3.11.4's tarfile filters), crashed in `fetch` with
 ``TypeError: TarFile.extractall() got an unexpected keyword argument 'filter'``.
 """

@@ -1,5 +1,5 @@
 """The tool never changes what it did not create: a git operation of the user's that is
-in progress (issue 11, item 3) and the tool's own cache of releases (item 2)."""
+in progress and the tool's own cache of releases."""
 
 import subprocess
 from pathlib import Path
@@ -60,7 +60,7 @@ def _start(operation: str, checkout: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("operation", ["am", "rebase", "merge", "cherry-pick", "revert"])
 def test_an_operation_in_progress_is_refused_and_left_as_it_was(operation, checkout, tmp_path,
                                                                 capsys):
-    """Issue 11, item 3: a refused `apply` ran `git am --abort` on the user's own `git am`
+    """A refused `apply` ran `git am --abort` on the user's own `git am`
     and deleted .git/rebase-apply with the patches not applied yet."""
     _start(operation, checkout, tmp_path)
     before = snapshot(checkout)
@@ -97,7 +97,7 @@ def cache(tmp_path, monkeypatch, checkout) -> Path:
 
 
 def test_the_cache_is_refused_to_apply_and_revert(cache, capsys):
-    """Issue 11, item 2: `apply` on the path `fetch` prints patched the cache itself."""
+    """`apply` on the path `fetch` prints patched the cache itself."""
     before = snapshot(cache)
     for argv in CHANGING:
         code, _, err = run(capsys, *argv, str(cache))
@@ -110,7 +110,7 @@ def test_the_cache_is_refused_to_apply_and_revert(cache, capsys):
 
 
 def test_a_changed_cache_is_never_handed_out_as_pristine(cache, tmp_path, monkeypatch, capsys):
-    """Issue 11, item 2: after the cache was patched, `fetch` handed it out as pristine,
+    """After the cache was patched, `fetch` handed it out as pristine,
     `regen --check` failed with a misleading message and a no-argument `apply` said
     "nothing to apply"."""
     (cache / "README.md").write_text("changed behind the tool's back\n")

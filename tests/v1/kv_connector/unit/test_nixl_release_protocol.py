@@ -516,7 +516,7 @@ def test_decoder_step_longer_than_the_lease(make_producer, monkeypatch):
 
 
 def test_decoder_killed_after_its_read(make_producer, monkeypatch):
-    """Issue 27 (d) of vllm-patches, the fault matrix's decoder-killed case: the
+    """The real-engine fault matrix's decoder-killed case (d): the
     decoder is killed after the READ of an n = 2 prompt, while its other child
     still waits. Before that it heartbeated the prompt for the waiting child,
     repeating the READ's mark. Nothing comes from it again, and the producer
