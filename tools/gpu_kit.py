@@ -1,8 +1,8 @@
 """Bring a CUDA vLLM onto the lent GPU machine and run F4's integration plan there.
 
-A lent GPU machine has Python 3.12 with torch 2.11.0+cu130 and no network; it takes at most 64 MiB of
-working tree per call, including what ``carry`` names, and keeps /tmp while it stays
-warm. The CUDA vLLM wheel alone is 237 MiB, so it travels in parts:
+A lent GPU machine has Python 3.12 with torch 2.11.0+cu130 and no network; it takes
+at most 64 MiB of working tree per call, including what ``carry`` names, and keeps /tmp
+while it stays warm. The CUDA vLLM wheel alone is 237 MiB, so it travels in parts:
 
   here:    python tools/gpu_kit.py split [--release v0.21.0] [--part-mib 40]
            downloads the vLLM wheel, the wheels of DEVICE_LACKS and builds this
