@@ -33,7 +33,7 @@ SERIES = _series.load()
 TITLES = [fix.title for fix in SERIES.applicable(Version("0.21.0"))]
 REVERTS = [f'Revert "{title}"' for title in reversed(TITLES)]
 # per verb; with CLONE_TRIALS, 52 signals a run. On unguarded code most of them went
-# wrong (CONTRIBUTING.md).
+# wrong (docs/internals.md).
 TRIALS = 22
 CLONE_TRIALS = 8
 # (signal, to the whole process group as a terminal's Ctrl-C does, or to the run alone)
