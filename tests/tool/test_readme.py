@@ -26,7 +26,7 @@ from vllm_patches import _cli, _runtime, _series
 REPO = _series.REPO_DIR
 README_PATH = REPO / "README.md"
 README = README_PATH.read_text()
-DOCS = [README_PATH, *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [README_PATH, *sorted((REPO / "docs").rglob("*.md"))]
 # Whatever links into them: a section that moves must not leave a link behind.
 LINKING = [*DOCS, REPO / "CONTRIBUTING.md", REPO / "benchmarks" / "README.md"]
 SERIES = _series.load()
