@@ -1,0 +1,55 @@
+"""The sweep of upstream (vllm_patches/upstream_sweep.toml) holds against the series, and
+its generated table (docs/upstream-sweep.md) is fresh."""
+
+import dataclasses
+
+import pytest
+from packaging.version import Version
+
+from vllm_patches import _series, _sweep
+
+SERIES = _series.load()
+SWEEP = _sweep.load(SERIES)
+
+
+def test_the_doc_is_what_the_data_generates():
+    assert _sweep.DOC.read_text() == _sweep.render(SERIES, SWEEP), \
+        "stale: run `python tools/upstream_sweep.py`"
+
+
+def test_every_fix_that_backports_a_change_of_the_sweep_is_a_row():
+    """A fix of the series with ``upstream_since`` and older releases is a backport: the
+    sweep has its upstream PR, with the same release."""
+    rows = {(c.fix, c.upstream, c.since) for c in SWEEP.changes if c.kind == "backport"}
+    for fix in SERIES.fixes:
+        if fix.backport:
+            assert (fix.id, fix.pr, fix.upstream_since) in rows, fix.id
+
+
+def test_every_change_names_its_releases_once():
+    assert len({c.upstream for c in SWEEP.changes}) == len(SWEEP.changes)
+    assert all(c.since in SERIES.covered for c in SWEEP.changes)
+
+
+BAD = [
+    (dict(affected="<0.18.0"), "holds no covered release"),
+    (dict(affected="from 0.22"), "no PEP 440 specifier"),
+    (dict(affected=">=0.30.0"), "since must be a covered release after every affected one"),
+    (dict(since=Version("0.31.1")), "since must be a covered release"),
+    (dict(fix="F99"), "neither in the series nor pending"),
+    (dict(fix="", note=""), "needs a series fix or a note"),
+    (dict(kind="fixed"), "kind is one of"),
+    (dict(kind="unrelated"), "names no fix"),
+    (dict(fix="F2", kind="interacts", note=""), "names the fix and says how"),
+    (dict(fix="F1"), "F1 backports"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD, ids=[m for _, m in BAD])
+def test_a_bad_change_is_refused(change, message, monkeypatch):
+    good = _sweep.Change(upstream="https://github.com/vllm-project/vllm/pull/50789",
+                         since=Version("0.31.0"), bug="b", affected=">=0.22.0,<0.31.0",
+                         kind="backport", fix="F17", note="")
+    _sweep._check(good, SERIES, {"F17": "x"})
+    with pytest.raises(ValueError, match=message):
+        _sweep._check(dataclasses.replace(good, **change), SERIES, {"F17": "x"})
