@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_patches import _series, _sweep  # noqa: E402
+from vllm_patches import _series, _sweep
 
 if __name__ == "__main__":
     series = _series.load()

@@ -118,15 +118,15 @@ def render(series: Series, sweep: Sweep) -> str:
     lines = [
         "# Upstream fixes that older covered releases lack",
         "",
-        "<!-- generated from vllm_patches/upstream_sweep.toml by tools/upstream_sweep.py; "
-        "do not edit -->",
+        ("<!-- generated from vllm_patches/upstream_sweep.toml by tools/upstream_sweep.py; "
+        "do not edit -->"),
         "",
-        f"Upstream vLLM between every pair of consecutive covered releases "
+        (f"Upstream vLLM between every pair of consecutive covered releases "
         f"({series.describe_covered()}), over the KV path the series touches: each change "
         "that fixed a KV-path bug an older covered release still has, and what the series "
         "does about it: a backport (a fix of the series, or owed where none is written), "
         "a fix of the series it interacts with, or why it is not relevant. "
-        f"{len(rows)} changes, {len(owed)} backports owed.",
+        f"{len(rows)} changes, {len(owed)} backports owed."),
         "",
         "| upstream | the bug | affected covered releases | series fix or reason |",
         "|---|---|---|---|",

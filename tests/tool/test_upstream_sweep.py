@@ -32,16 +32,16 @@ def test_every_change_names_its_releases_once():
 
 
 BAD = [
-    (dict(affected="<0.18.0"), "holds no covered release"),
-    (dict(affected="from 0.22"), "no PEP 440 specifier"),
-    (dict(affected=">=0.30.0"), "since must be a covered release after every affected one"),
-    (dict(since=Version("0.31.1")), "since must be a covered release"),
-    (dict(fix="F99"), "neither in the series nor pending"),
-    (dict(fix="", note=""), "needs a series fix or a note"),
-    (dict(kind="fixed"), "kind is one of"),
-    (dict(kind="unrelated"), "names no fix"),
-    (dict(fix="F2", kind="interacts", note=""), "names the fix and says how"),
-    (dict(fix="F1"), "F1 backports"),
+    ({"affected": "<0.18.0"}, "holds no covered release"),
+    ({"affected": "from 0.22"}, "no PEP 440 specifier"),
+    ({"affected": ">=0.30.0"}, "since must be a covered release after every affected one"),
+    ({"since": Version("0.31.1")}, "since must be a covered release"),
+    ({"fix": "F99"}, "neither in the series nor pending"),
+    ({"fix": "", "note": ""}, "needs a series fix or a note"),
+    ({"kind": "fixed"}, "kind is one of"),
+    ({"kind": "unrelated"}, "names no fix"),
+    ({"fix": "F2", "kind": "interacts", "note": ""}, "names the fix and says how"),
+    ({"fix": "F1"}, "F1 backports"),
 ]
 
 
