@@ -90,6 +90,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     series = _series.load()
     for number, fix in enumerate(series.fixes, start=1):
         upstream = f"upstream since v{fix.upstream_since}" if fix.upstream_since else "not upstream"
+        if fix.backport:
+            upstream = f"backport of PR {fix.backport} ({upstream})"
         print(f"{number}. {fix.id} {fix.slug}: {fix.title}")
         print(f"   needed on vLLM {fix.describe_needed()}; {upstream}")
         print(f"   bug {fix.bug}" + (f"; PR {fix.pr}" if fix.pr else ""))

@@ -23,6 +23,9 @@ reasoning stays in the commit messages), its checklist ticked where the descript
 does what the item asks. Its words are those true on the base's release, as
 ``Fix.on`` gives them (a timeout up to v0.21, a lease from v0.22). A fix upstream on
 the base is refused; one upstream since a later release is exported as a backport.
+A backport owes upstream nothing on main, which has the fix: it is for the release
+branch of its base (the v0.23 branch for a v0.23.0 base), does what the upstream PR does
+there, and says which PR it backports.
 """
 
 from __future__ import annotations
@@ -259,6 +262,10 @@ def upstream_ref(url: str) -> str:
     return "#" + url.rsplit("/", 1)[1] if url.startswith(prefix) else url
 
 
+def _minor(release: Version) -> str:
+    return f"{release.major}.{release.minor}"
+
+
 def _overview(export: Export) -> str:
     """What the series fixes in a line or two, the issue it fixes (``Fixes`` only of an
     issue: a PR is related to), and where it stands to the upstream PR it relates to,
@@ -270,9 +277,9 @@ def _overview(export: Export) -> str:
     if fix.pr_relation:
         text += f"\n\n{_unwrap(fix.pr_relation)}"
     if export.backport_of is not None:
-        pr = f" {upstream_ref(fix.pr)}" if fix.pr else ""
-        text += (f"\n\nBackport to v{export.release} of{pr or ' the fix'}, in vLLM since "
-                 f"v{export.backport_of}.")
+        text += (f"\n\nBackport to v{export.release} of {fix.backport or 'the fix'}, in vLLM "
+                 f"since v{export.backport_of}: for the v{_minor(export.release)} release "
+                 "branch, not main.")
     return text
 
 
@@ -483,7 +490,8 @@ def _report(export: Export, output: str | None, to_stdout: bool) -> int:
     lines = [export.summary(), *(f"  {step.line()}" for step in export.steps)]
     if export.backport_of is not None:
         lines.append(f"upstream has had {export.fix.id} since v{export.backport_of}: this "
-                     f"PR is a backport to v{export.release}")
+                     f"PR is a backport to v{export.release}, for upstream's "
+                     f"v{_minor(export.release)} release branch, not main")
     if export.template is None:
         lines.append(f"the base has no {TEMPLATE}: the description has the sections "
                      f"{', '.join(TEMPLATE_SECTIONS)} and no checklist")

@@ -300,6 +300,15 @@ class Fix:
         return self.stock_fails + tuple(entry.node for entry in self.fails_on_stock
                                         if entry.applies(release))
 
+    @property
+    def backport(self) -> str:
+        """The upstream PR this fix backports (``#44409``) when it is needed on releases
+        before ``upstream_since``; "" for a fix upstream has not merged."""
+        if self.upstream_since is None or not self.pr:
+            return ""
+        starts = [Version(clause.strip()[2:]) for clause in self.releases_text.split(",")]
+        return "#" + self.pr.rsplit("/", 1)[1] if min(starts) < self.upstream_since else ""
+
     def describe_needed(self) -> str:
         """Where the fix is needed: ``releases`` up to ``upstream_since`` (``>=0.18.0,<0.24.0``)."""
         end = f",<{self.upstream_since}" if self.upstream_since else ""

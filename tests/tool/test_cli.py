@@ -346,6 +346,12 @@ def test_list_shows_the_series(capsys):
     assert code == EXIT_OK
     assert out.splitlines()[0].startswith("1. F1 ")
     assert "Why:" in out and "Future:" in out
+    for fix in SERIES.fixes:
+        marker = (f"; backport of PR #{fix.pr.rpartition('/')[2]} (upstream since "
+                  f"v{fix.upstream_since})")
+        backport = fix.upstream_since is not None and any(
+            fix.releases.contains(r) and r < fix.upstream_since for r in SERIES.covered)
+        assert (marker in out) == backport, fix.id
 
 
 def test_version_is_one_line_with_the_covered_range(capsys):

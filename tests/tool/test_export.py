@@ -515,8 +515,10 @@ def test_a_fix_before_the_release_that_has_it_is_a_backport(contributor, tmp_pat
     output, out = export_dir(capsys, tmp_path, fix, "--release", f"v{release}")
     (line,) = [line for line in out.splitlines() if "backport" in line]
     assert f"since v{fix.upstream_since}" in line and f"v{release}" in line
+    branch = f"v{release.major}.{release.minor} release branch, not main"
+    assert branch in line
     cover = (output / _export.COVER_FILE).read_text()
-    assert f"Backport to v{release} of #{fix.pr.rsplit('/', 1)[1]}" in cover
+    assert f"Backport to v{release} of #{fix.pr.rsplit('/', 1)[1]}" in cover and branch in cover
 
 
 def test_an_upstream_test_the_series_changes_is_updated_in_its_patch(contributor, tmp_path,
