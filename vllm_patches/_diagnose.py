@@ -290,7 +290,7 @@ def expired_in_a_burst(engine: Engine, symptom: Symptom) -> Hit | None:
     once it goes. A heuristic (prompts prefilled together expire together too), hence
     only where the release is known to reap that way."""
     version = engine.version
-    if version is None or version not in symptom.releases:
+    if version is None or not any(version in releases for releases in symptom.releases):
         return None
     by_second: dict[float, list[Match]] = defaultdict(list)
     for match in engine.matches["expired"]:
@@ -365,7 +365,7 @@ class Symptom:
     harm: str
     why: str
     fixes: tuple[FixRef, ...]
-    releases: object  # SpecifierSet: where the symptom can show (its fixes' ranges)
+    releases: tuple  # SpecifierSets: where each of its fixes is needed
     opt_in: bool  # its fix's option is off by default: the fix being active is not enough
     single: frozenset[str] | None  # the fixes that apply to a request of n = 1, if fewer
 
@@ -385,7 +385,8 @@ def load_symptoms() -> tuple[dict[str, re.Pattern], list[Symptom]]:
                                entry["options"][fix_id], fix))
             ranges.append(fix.describe_needed() if fix else fallback["releases"])
         symptoms.append(Symptom(entry["id"], entry["rule"], entry["text"], entry["harm"],
-                                entry["why"], tuple(refs), specifier_set(",".join(ranges)),
+                                entry["why"], tuple(refs),
+                                tuple(specifier_set(text) for text in ranges),
                                 entry.get("opt_in", False),
                                 frozenset(entry["single"]) if "single" in entry else None))
     return {kind: re.compile(text) for kind, text in data["lines"].items()}, symptoms
@@ -436,7 +437,7 @@ def line(finding: dict) -> str:
     note = f" ({finding['note']})" if finding["note"] else ""
     release = finding["release"] or "release unknown"
     fix_set = ("fix set unknown (no vllm-patches line)" if finding["fix_set"] is None
-               else "active: " + (", ".join(finding["fix_set"]) or "none"))
+               else "fixes active: " + (", ".join(finding["fix_set"]) or "none"))
     fixes = "; ".join(_fix_words(state) for state in finding["fixes"]) or "no fix of the series"
     upstream = [f"{s['id']} since {s['upstream_since']}" for s in finding["fixes"]
                 if s["upstream_since"]]
