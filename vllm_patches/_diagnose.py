@@ -19,14 +19,20 @@ import re
 import sys
 import tomllib
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
+from itertools import chain
+from typing import TYPE_CHECKING, BinaryIO
 
 from packaging.version import InvalidVersion, Version
 
 from vllm_patches._errors import UserError
 from vllm_patches._series import PACKAGE_DIR, specifier_set
+
+if TYPE_CHECKING:
+    from vllm_patches._series import Fix
 
 SYMPTOMS = PACKAGE_DIR / "symptoms.toml"
 # A CPU tier pinned in more than this before the engine is ready is a finding: F4's
@@ -34,6 +40,8 @@ SYMPTOMS = PACKAGE_DIR / "symptoms.toml"
 # GB, the size where the background pin pays.
 PIN_SLOW_S = 60.0
 SNIFF_BYTES = 8192
+CHUNK_BYTES = 1 << 20
+GZIP_MAGIC = b"\x1f\x8b"
 
 # ------------------------------------------------------------------------------ reading
 
@@ -88,29 +96,39 @@ def _seconds(text: str, rfc3339: str | None) -> float | None:
     return None
 
 
-def _data(name: str) -> bytes:
-    """The bytes of log ``name`` (``-``: stdin), decompressed if gzip; a log it cannot
-    read is a UserError (bad input)."""
+@contextmanager
+def _opened(name: str) -> Iterator[BinaryIO]:
+    """Log ``name``'s bytes (``-``: stdin), decompressed if gzip (told by its content)."""
     try:
-        data = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
+        stream = nullcontext(sys.stdin.buffer) if name == "-" else open(name, "rb")  # noqa: SIM115
     except IsADirectoryError:
         raise UserError(f"{name}: a directory, not a log") from None
     except OSError as exc:
         raise UserError(f"{name}: cannot read: {exc.strerror or exc}") from None
-    if data[:2] == b"\x1f\x8b":
+    with stream as raw:
+        yield gzip.GzipFile(fileobj=raw) if raw.peek(2)[:2] == GZIP_MAGIC else raw
+
+
+def read(name: str) -> Iterator[str]:
+    """The lines of log ``name``, read as they come (a log may be gigabytes); a log it
+    cannot read (binary, empty, a damaged gzip) is a UserError (bad input)."""
+    with _opened(name) as stream:
         try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as exc:
-            raise UserError(f"{name}: a damaged gzip file ({exc})") from None
-    if not data.strip():
+            head = stream.read(SNIFF_BYTES)
+            if b"\0" in head:
+                raise UserError(f"{name}: binary, not a text log")
+            rest, blank = b"", True
+            for chunk in chain([head], iter(lambda: stream.read(CHUNK_BYTES), b"")):
+                *whole, rest = (rest + chunk).split(b"\n")
+                for raw in whole:
+                    blank = blank and not raw.strip()
+                    yield raw.decode("utf-8", "replace")
+        except (OSError, EOFError) as exc:  # a damaged gzip file: BadGzipFile, EOFError
+            raise UserError(f"{name}: cannot read: {exc}") from None
+    if rest.strip():
+        yield rest.decode("utf-8", "replace")
+    elif blank:
         raise UserError(f"{name}: empty, no log lines to read")
-    if b"\0" in data[:SNIFF_BYTES]:
-        raise UserError(f"{name}: binary, not a text log")
-    return data
-
-
-def read(name: str) -> list[Line]:
-    return [strip(raw) for raw in _data(name).decode("utf-8", "replace").splitlines()]
 
 
 # ------------------------------------------------------------------------------ engines
@@ -118,7 +136,7 @@ def read(name: str) -> list[Line]:
 
 @dataclass(frozen=True)
 class Match:
-    index: int  # the line's position in its engine's log
+    index: int  # the line's position in its log: the order of an engine's lines
     line: Line
     req: str | None
     count: int | None
@@ -160,10 +178,17 @@ class Engine:
         return by_request
 
 
-def engines(name: str, lines: list[Line], patterns: dict[str, re.Pattern]) -> list[Engine]:
-    """The engines of one log: one per kubectl pod, or the log itself."""
+def engines(name: str, lines: Iterable[str], patterns: dict[str, re.Pattern]) -> list[Engine]:
+    """The engines of one log: one per kubectl pod, or the log itself. A line that none of
+    ``patterns`` matches is passed over before its prefixes are read (most of a log)."""
+    # The patterns as one, less their named groups (a name may recur in several).
+    anything = re.compile("|".join(f"(?:{re.sub(r'[(][?]P<[a-z_]+>', '(?:', p.pattern)})"
+                                   for p in patterns.values()))
     found: dict[str, Engine] = {}
-    for index, line in enumerate(lines):
+    for index, raw in enumerate(lines):
+        if not anything.search(raw):
+            continue
+        line = strip(raw)
         engine = found.setdefault(line.pod, Engine(f"{name}[{line.pod}]" if line.pod else name))
         for kind, pattern in patterns.items():
             if (match := pattern.search(line.text)) is None:
@@ -327,6 +352,12 @@ def kvcached_hang(engine: Engine, symptom: Symptom) -> Hit | None:
                       f"kvcached {bad.fixed_in} ({bad.reference})")
 
 
+RULES = {rule.__name__: rule for rule in (
+    read_after_lease, read_after_release, early_notification, stranded_siblings,
+    push_expired, push_unrecognized, registration_timeout, remote_block_ids,
+    recving_metadata, expired_in_a_burst, slow_cpu_tier_pin, kvcached_hang)}
+
+
 # ------------------------------------------------------------------------------ symptoms
 
 
@@ -338,7 +369,7 @@ class FixRef:
     id: str
     slug: str
     option: str
-    fix: object | None  # _series.Fix
+    fix: Fix | None
 
     def on(self, engine: Engine) -> dict:
         """The fix in ``engine``: active there (None: the log does not say), needed on its
@@ -399,10 +430,9 @@ def find(engine: Engine, symptoms: list[Symptom]) -> list[dict]:
     """The findings in ``engine``'s log: a symptom shows, and not every fix that removes
     it is active there (the fixes leave traces that look like it: F7's notifications of
     a prompt it computed, the lease freeing a prompt nobody decodes)."""
-    rules = globals()
     findings = []
     for symptom in symptoms:
-        hit = rules[symptom.rule](engine, symptom)
+        hit = RULES[symptom.rule](engine, symptom)
         if hit is None:
             continue
         fixes = [ref.on(engine) for ref in symptom.fixes
@@ -452,10 +482,8 @@ def diagnose(names: list[str]) -> list[dict]:
     if names.count("-") > 1:
         raise UserError("stdin (-) given more than once")
     patterns, symptoms = load_symptoms()
-    logs = [(name, read(name)) for name in names]
-    return [finding for name, lines in logs
-            for engine in engines("stdin" if name == "-" else name, lines, patterns)
-            for finding in find(engine, symptoms)]
+    logs = [engines("stdin" if name == "-" else name, read(name), patterns) for name in names]
+    return [finding for log in logs for engine in log for finding in find(engine, symptoms)]
 
 
 def report(names: list[str], as_json: bool) -> int:

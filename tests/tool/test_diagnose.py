@@ -236,7 +236,7 @@ def test_gzip_and_stdin(tmp_path, capsys, monkeypatch):
     (tmp_path / "engine.log.gz").write_bytes(data)
     code, found, _ = findings(capsys, str(tmp_path / "engine.log.gz"))
     assert code == EXIT_REFUSED and found[0]["symptom"] == "push-registration-timed-out"
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(data))))
     code, found, _ = findings(capsys, "-")
     assert code == EXIT_REFUSED and found[0]["log"] == "stdin"
 
@@ -245,6 +245,8 @@ def test_gzip_and_stdin(tmp_path, capsys, monkeypatch):
     (b"\x7fELF\x02\x01\x01\x00\x00\x00", "binary, not a text log"),
     (b"", "empty, no log lines to read"),
     (gzip.compress(b""), "empty, no log lines to read"),
+    (gzip.compress(b"INFO a line\n")[:-9], ("cannot read: Compressed file ended before the "
+                                            "end-of-stream marker was reached")),
     (None, "cannot read: No such file or directory"),
 ])
 def test_a_log_it_cannot_read_is_bad_input(tmp_path, capsys, content, why):
@@ -264,7 +266,7 @@ def test_symptoms_name_known_fixes_and_documented_options():
     guide = (REPO / "docs" / "operator-guide.md").read_text()
     ids = _series.load().ids
     for entry in data["symptom"]:
-        assert callable(getattr(_diagnose, entry["rule"]))
+        assert entry["rule"] in _diagnose.RULES, entry["id"]
         assert set(entry["options"]) == set(entry["fixes"]), entry["id"]
         for fix_id, option in entry["options"].items():
             assert fix_id in ids or "fallback" in entry, (entry["id"], fix_id)
