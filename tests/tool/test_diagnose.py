@@ -63,6 +63,17 @@ PUSH = ("(APIServer pid=1) INFO 11-28 04:00:00 [api_utils.py:286] non-default ar
         "{'kv_transfer_config': KVTransferConfig(kv_connector='NixlPushConnector')}")
 READY = f"(APIServer pid=1) INFO {stamp(5)} [entry.py:140] Starting vLLM server on 0.0.0.0:8000"
 
+CPU_TIER = (f"(Worker pid=90) INFO {stamp(2)} [worker.py:213] SimpleCPUOffloadWorker [CPU]: "
+            "56 tensors, 262144 CPU blocks (512.00 GB)")
+KVCACHED = ("(EngineCore_DP0 pid=80) INFO 11-28 04:00:01 [interfaces.py:55] kvcached: enabled, "
+            "tensor_parallel_size=2")
+
+
+def ready(second: int, took: float) -> str:
+    return (f"(EngineCore_DP0 pid=80) INFO {stamp(second)} [core.py:403] init engine (profile, "
+            f"create kv cache, warmup model) took {took:.2f} s")
+
+
 # symptom id -> (release, the log's lines after start-up). Each is what a stock engine of
 # that release logs for the bug; a fixed engine logs the same lines where the fix leaves
 # them (F7's notifications of a prompt it computed), and the finding must stay quiet.
@@ -75,44 +86,34 @@ CASES = {
     # Sibling 2 was read and released by its read, which upstream does not log.
     "stranded-siblings": ("0.21.0", [expired_v21(f"{i}_{P}") for i in (0, 1, 3)]),
     "push-prompt-expired": ("0.32.0", [PUSH, expired(f"0_{P}"), expired(f"1_{P}")]),
-    "push-write-after-giving-up": ("0.32.0", [
-        PUSH, (f"(Worker_TP0 pid=90) ERROR {stamp(50)} [push_worker.py:790] Unrecognized "
-              "request cmpl-late-0-77aa88bb notif (may have expired).")]),
-    "push-registration-timed-out": ("0.32.0", [
-        PUSH, (f"(EngineCore_DP0 pid=80) WARNING {stamp(25)} [push_scheduler.py:322] "
-              "NixlPushConnector: registration for request cmpl-reg-0-0badc0de timed out "
-              "after 20.0s without a push completion")]),
+    "push-write-after-giving-up": ("0.32.0", [PUSH, (
+        f"(Worker_TP0 pid=90) ERROR {stamp(50)} [push_worker.py:790] Unrecognized request "
+        "cmpl-late-0-77aa88bb notif (may have expired).")]),
+    "push-registration-timed-out": ("0.32.0", [PUSH, (
+        f"(EngineCore_DP0 pid=80) WARNING {stamp(25)} [push_scheduler.py:322] "
+        "NixlPushConnector: registration for request cmpl-reg-0-0badc0de timed out after "
+        "20.0s without a push completion")]),
     "push-abort-crash": ("0.24.0", [
-        PUSH, (f"(EngineCore_DP0 pid=80) ERROR {stamp(9)} [core.py:1015] EngineCore "
-              "encountered a fatal error."),
+        PUSH,
+        (f"(EngineCore_DP0 pid=80) ERROR {stamp(9)} [core.py:1015] EngineCore encountered a "
+         "fatal error."),
         ("(EngineCore_DP0 pid=80)   File \"vllm/distributed/kv_transfer/kv_connector/v1/nixl/"
-        "metadata.py\", line 97, in add_new_req_to_recv"),
+         "metadata.py\", line 97, in add_new_req_to_recv"),
         "(EngineCore_DP0 pid=80) KeyError: 'remote_block_ids'"]),
-    "push-failed-write-crash": ("0.28.0", [
-        PUSH, ("(Worker_TP0 pid=90) AssertionError: cmpl-w-0-1234abcd not found in "
-              "recving_metadata list")]),
+    "push-failed-write-crash": ("0.28.0", [PUSH, (
+        "(Worker_TP0 pid=90) AssertionError: cmpl-w-0-1234abcd not found in recving_metadata "
+        "list")]),
     "expired-behind-renewed-head": ("0.27.0", [expired("cmpl-a-0-11111111", second=95),
                                                expired("cmpl-b-0-22222222", second=95)]),
-    "slow-cpu-tier-pin": ("0.28.0", [
-        (f"(Worker pid=90) INFO {stamp(2)} [worker.py:213] SimpleCPUOffloadWorker [CPU]: 56 "
-        "tensors, 262144 CPU blocks (512.00 GB)"),
-        (f"(EngineCore_DP0 pid=80) INFO {stamp(192)} [core.py:403] init engine (profile, create "
-        "kv cache, warmup model) took 190.12 s")]),
-    "kvcached-tp-hang": ("0.21.0", [
-        ("(EngineCore_DP0 pid=80) INFO 11-28 04:00:01 [interfaces.py:55] kvcached: enabled, "
-        "tensor_parallel_size=2")]),
+    "slow-cpu-tier-pin": ("0.28.0", [CPU_TIER, ready(192, 190.12)]),
+    "kvcached-tp-hang": ("0.21.0", [KVCACHED]),
 }
 # What a fixed engine logs instead, where it differs from the stock lines.
 FIXED_INSTEAD = {
     # With async_register_cache the engine is ready before the tier is pinned.
-    "slow-cpu-tier-pin": [
-        (f"(Worker pid=90) INFO {stamp(2)} [worker.py:213] SimpleCPUOffloadWorker [CPU]: 56 "
-        "tensors, 262144 CPU blocks (512.00 GB)"),
-        (f"(EngineCore_DP0 pid=80) INFO {stamp(6)} [core.py:403] init engine (profile, create "
-        "kv cache, warmup model) took 4.02 s")],
+    "slow-cpu-tier-pin": [CPU_TIER, ready(6, 4.02)],
     # kvcached >= 0.1.6 (no fix of the series): the engine becomes ready.
-    "kvcached-tp-hang": [("(EngineCore_DP0 pid=80) INFO 11-28 04:00:01 [interfaces.py:55] "
-                         "kvcached: enabled, tensor_parallel_size=2"), READY],
+    "kvcached-tp-hang": [KVCACHED, READY],
 }
 
 
@@ -202,6 +203,19 @@ def test_parallel_sampling_on_stock_shows_both_halves_of_f2(tmp_path, capsys):
     assert [(f["symptom"], f["requests"], f["example"]) for f in found] == [
         ("sibling-read-after-release", 1, f"3_{P}"), ("stranded-siblings", 3, f"0_{P}")]
     assert {s["id"] for f in found for s in f["fixes"]} == {"F2"}
+
+
+@pytest.mark.parametrize(("symptom", "release", "lines"), [
+    # Push mode with n = 1: no sibling, the prompt alone released by lease.
+    ("push-prompt-expired", "0.32.0", [PUSH, expired("cmpl-one-0-0a0b0c0d")]),
+    # Up to v0.27 the CPU tier's line has other words.
+    ("slow-cpu-tier-pin", "0.23.0", [
+        (f"(Worker pid=90) INFO {stamp(2)} [worker.py:144] SimpleCPUOffloadWorker: 56 unique "
+         "GPU KV tensors, allocating 262144 CPU blocks (512.00 GB)"), ready(125, 123.0)]),
+])
+def test_other_shapes_of_a_symptom(tmp_path, capsys, symptom, release, lines):
+    code, found, _ = findings(capsys, str(write(tmp_path, startup(release, "stock") + lines)))
+    assert code == EXIT_REFUSED and [f["symptom"] for f in found] == [symptom]
 
 
 def test_upstream_release_is_named(tmp_path, capsys):
