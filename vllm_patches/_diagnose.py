@@ -7,7 +7,7 @@ not a ``[[symptoms]]`` table in each fix's TOML, because a symptom is not one fi
 same pair of producer lines is removed by F6, F7 or F8 depending on what held the decoder,
 the kvcached hang belongs to no fix, and a fix added later (F17) is named before its
 metadata exists. Here is the mechanism: reading logs (files, ``-`` for stdin, gzip),
-stripping prefixes, one engine per log or per kubectl pod, and a rule per symptom that
+kubectl's prefixes, one engine per log or per kubectl pod, and a rule per symptom that
 correlates its lines (pairs, order, siblings, times). An unknown line is no finding.
 """
 
@@ -45,11 +45,11 @@ GZIP_MAGIC = b"\x1f\x8b"
 
 # ------------------------------------------------------------------------------ reading
 
-# kubectl logs --prefix: "[pod/NAME/CONTAINER] "; --timestamps: an RFC 3339 time; vLLM's
-# processes: "(EngineCore_DP0 pid=123) ", "(Worker_TP1 pid=..) ", "(APIServer pid=1) ".
+# kubectl logs --prefix: "[pod/NAME/CONTAINER] "; --timestamps: an RFC 3339 time. vLLM's
+# process prefixes ("(EngineCore_DP0 pid=123) ", "(Worker_TP1 pid=124) ") and whatever
+# VLLM_LOGGING_PREFIX adds need no stripping: signatures are searched anywhere in a line.
 _POD = re.compile(r"\[pod/(?P<pod>[^/\]]+)(?:/[^\]]*)?\] ")
 _RFC3339 = re.compile(r"(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)?) ")
-_PROCESS = re.compile(r"\((?P<process>[A-Za-z][\w ]*?) pid=\d+\) ")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # vLLM's own stamp: "WARNING 08-16 08:09:07 [worker.py:2967] ", milliseconds optional.
 _VLLM_STAMP = re.compile(r"\b(?P<md>\d\d-\d\d) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)? \[")
@@ -57,42 +57,39 @@ _VLLM_STAMP = re.compile(r"\b(?P<md>\d\d-\d\d) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)?
 
 @dataclass(frozen=True)
 class Line:
-    """One log line with its prefixes taken off: the pod and process that logged it,
-    when (seconds, from vLLM's stamp or kubectl's; None without either) and the text."""
+    """One log line without kubectl's prefixes: the pod that logged it, when (seconds,
+    from kubectl's stamp or vLLM's; None without either) and the text."""
 
     pod: str
-    process: str
     seconds: float | None
     text: str
 
 
 def strip(raw: str) -> Line:
-    """``raw`` without kubectl's and vLLM's prefixes, in whatever order they come."""
+    """``raw`` without kubectl's prefixes (pod, timestamp), in whichever order they come."""
     text = _ANSI.sub("", raw.rstrip("\r\n"))
-    pod = process = ""
+    pod = ""
     stamp = None
     while True:
         if match := _POD.match(text):
             pod = match["pod"]
         elif match := _RFC3339.match(text):
-            stamp = stamp or match["ts"]
-        elif match := _PROCESS.match(text):
-            process = match["process"]
+            stamp = match["ts"]
         else:
             break
         text = text[match.end():]
-    return Line(pod, process, _seconds(text, stamp), text)
+    return Line(pod, _seconds(text, stamp), text)
 
 
 def _seconds(text: str, rfc3339: str | None) -> float | None:
-    """vLLM's stamp (month-day, no year: only differences within a log count), else
-    kubectl's."""
-    if match := _VLLM_STAMP.search(text):
-        return datetime.strptime(f"2000-{match['md']} {match['hms']}",
-                                 "%Y-%m-%d %H:%M:%S").timestamp()
+    """kubectl's stamp (every line of a pod has one), else vLLM's (month-day, no year:
+    only differences within a log count)."""
     if rfc3339:
         return datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1",
                                              rfc3339.replace("Z", "+00:00"))).timestamp()
+    if match := _VLLM_STAMP.search(text):
+        return datetime.strptime(f"2000-{match['md']} {match['hms']}",
+                                 "%Y-%m-%d %H:%M:%S").timestamp()
     return None
 
 
