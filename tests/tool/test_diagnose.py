@@ -218,6 +218,17 @@ def test_other_shapes_of_a_symptom(tmp_path, capsys, symptom, release, lines):
     assert code == EXIT_REFUSED and [f["symptom"] for f in found] == [symptom]
 
 
+def test_a_fix_is_named_before_the_series_has_it(tmp_path, capsys):
+    """F17's metadata comes from its TOML once the series has it, from the symptom's
+    fallback until then."""
+    release, lines = CASES["expired-behind-renewed-head"]
+    _, found, _ = findings(capsys, str(write(tmp_path, startup(release, "stock") + lines)))
+    [state] = found[0]["fixes"]
+    in_series = "F17" in _series.load().ids
+    assert (state["id"], state["slug"]) == ("F17", "nixl-lease-reaper-scans-all")
+    assert state["on_release"] == ("needed" if in_series else "not in this vllm-patches")
+
+
 def test_upstream_release_is_named(tmp_path, capsys):
     release, lines = CASES["push-abort-crash"]
     _, found, _ = findings(capsys, str(write(tmp_path, startup(release, "stock") + lines)))
