@@ -11,11 +11,12 @@ release the series does not cover; `doctor`: a known-bad combination, the plugin
 stop vLLM from starting, or the environment leaves the fixes out (VLLM_PLUGINS without
 vllm_patches, or VLLM_PATCHES_FIXES naming a fix the series lacks); without vLLM in its
 Python doctor warns that no fix is or would be active, and exits 0 unless the
-environment is such); 2 bad input (bad arguments, an unknown fix id in --fix, a file or
-missing path, not a git repository, not a vLLM tree, a release that is not vX.Y.Z, that
-the series does not cover, that cannot be told, or that the checkout's own release
-contradicts; `regen` and `matrix` without ruff, from the dev extras, said before
-anything is fetched); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM, with one line
+environment is such; `diagnose`: a symptom found in the logs); 2 bad input (bad
+arguments, an unknown fix id in --fix, a file or missing path, not a git repository,
+not a vLLM tree, a release that is not vX.Y.Z, that the series does not cover, that
+cannot be told, or that the checkout's own release contradicts, a log `diagnose` cannot
+read: missing, binary or empty; `regen` and `matrix` without ruff, from the dev extras,
+said before anything is fetched); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM, with one line
 that says whether the checkout was changed: `apply`, `revert` and `export --onto` leave
 it exactly as before or exactly as after, never half done (``_interrupt``). A reader
 that leaves early
@@ -356,6 +357,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_REFUSED if bad else EXIT_OK
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from vllm_patches import _diagnose
+
+    return _diagnose.report(args.logs, args.json)
+
+
 class _Version(argparse.Action):
     """``--version``: the package's version and the releases the series covers, one line;
     computed when asked (reading the series), not for every command line."""
@@ -486,6 +493,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the tensor parallelism you serve with (checks kvcached < 0.1.6)")
     sub.add_argument("--no-load", action="store_true",
                      help="do not load vLLM's general plugins; show what they would activate")
+
+    sub = verb("diagnose", cmd_diagnose, "the series' bugs in vLLM logs: per symptom found, "
+                                         "how often, the release and fixes active there, "
+                                         "the fix that removes it and its option")
+    sub.add_argument("logs", nargs="+", metavar="LOG",
+                     help="a log file (plain or gzip; kubectl logs output too), - for stdin")
+    sub.add_argument("--json", action="store_true", help="the findings as a JSON list")
     return parser
 
 

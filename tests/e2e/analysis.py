@@ -60,6 +60,20 @@ def plugin_line_problems(log: Path, expected: str, quiet: tuple[str, ...] = ()
     return problems
 
 
+def diagnosed(run_dir: Path) -> dict[str, list[str]]:
+    """Engine log -> the symptoms `vllm-patches diagnose` finds in it, for each engine of
+    a run (``producer*.log``, ``decoder*.log``: a restarted engine's too); a log without
+    findings is left out."""
+    from vllm_patches import _diagnose
+
+    found: dict[str, list[str]] = {}
+    for log in sorted([*run_dir.glob("producer*.log"), *run_dir.glob("decoder*.log")]):
+        symptoms = [finding["symptom"] for finding in _diagnose.diagnose([str(log)])]
+        if symptoms:
+            found[log.name] = symptoms
+    return found
+
+
 # ------------------------------------------------------------------------------- F1
 
 

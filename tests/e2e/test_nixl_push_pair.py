@@ -174,6 +174,22 @@ def test_unserved_registration_fails_at_the_watchdog(mode: str, connector: str) 
 
 
 @RUNS
+def test_diagnose_names_the_unserved_registrations_on_stock_and_nothing_fixed(
+        mode: str, connector: str) -> None:
+    """`vllm-patches diagnose` on the pair's engine logs: stock's decoder shows the
+    registrations its watchdog gave up on (F9's cases); a fixed pair's logs show
+    nothing, though the fixed watchdog logs the same line and the producer the expiry of
+    the late decode leg's prompt."""
+    run = push_run(mode, connector)
+    run.check_reached()
+    found = analysis.diagnosed(run.run_dir)
+    if bug_expected("F9", mode):
+        assert "push-registration-timed-out" in found.get("decoder.log", []), found
+    else:
+        assert found == {}, found
+
+
+@RUNS
 def test_a_retry_is_written_to_its_own_registration(mode: str, connector: str) -> None:
     """F14 (case ``retry``): the client of ``late`` tries again with the same
     X-Request-Id after its decode leg failed (fixed) or hung (stock). Stock's producer

@@ -210,6 +210,22 @@ def test_decoder_stalled_past_the_lease_never_serves_released_blocks(mode: str,
         assert not reads_after, f"{len(reads_after)} READ(s) of a released prompt"
 
 
+@pytest.mark.parametrize(("mode", "connector"), RUNS)
+def test_diagnose_names_the_lapsed_lease_on_stock_and_nothing_fixed(mode: str,
+                                                                   connector: str) -> None:
+    """`vllm-patches diagnose` on the run's engine logs, the operator's view of the
+    cases above: stock's producer shows KV served after its lease (the waves' and the
+    stalled decoder's expired-then-invalid pairs, F6 and F7); a fixed pair's logs show
+    nothing, though the producer still logs the notifications of the prompt F7 computed
+    and the expiries of the prompt nobody decodes."""
+    run = faults(mode, connector)
+    found = analysis.diagnosed(run.run_dir)
+    if bug_expected("F7", mode):
+        assert "kv-served-after-lease" in found.get("producer.log", []), found
+    else:
+        assert found == {}, found
+
+
 @pytest.mark.parametrize(("mode", "connector"), KILL_RUNS)
 def test_killed_decoder_leaks_nothing_and_its_successor_serves(mode: str,
                                                                connector: str) -> None:

@@ -1,0 +1,496 @@
+"""``vllm-patches diagnose``: the series' bugs, found in vLLM logs, one finding a line.
+
+Policy is data: ``symptoms.toml`` names each symptom, the log lines it is made of, what it
+means (wrong answers, capacity, a crash, a late start-up) and the fixes that remove it; a
+fix's slug, releases and ``upstream_since`` come from its own metadata. It is one file,
+not a ``[[symptoms]]`` table in each fix's TOML, because a symptom is not one fix's: the
+same pair of producer lines is removed by F6, F7 or F8 depending on what held the decoder,
+the kvcached hang belongs to no fix, and a fix added later (F17) is named before its
+metadata exists. Here is the mechanism: reading logs (files, ``-`` for stdin, gzip),
+kubectl's prefixes, one engine per log or per kubectl pod, and a rule per symptom that
+correlates its lines (pairs, order, siblings, times). An unknown line is no finding.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import sys
+import tomllib
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from datetime import datetime
+from itertools import chain
+from typing import TYPE_CHECKING, BinaryIO
+
+from packaging.version import InvalidVersion, Version
+
+from vllm_patches._errors import UserError
+from vllm_patches._series import PACKAGE_DIR, specifier_set
+
+if TYPE_CHECKING:
+    from vllm_patches._series import Fix
+
+SYMPTOMS = PACKAGE_DIR / "symptoms.toml"
+# A CPU tier pinned in more than this before the engine is ready is a finding: F4's
+# measurement pins 64 GiB in 11.5 s on an H100 host, so a minute is a tier of hundreds of
+# GB, the size where the background pin pays.
+PIN_SLOW_S = 60.0
+SNIFF_BYTES = 8192
+CHUNK_BYTES = 1 << 20
+GZIP_MAGIC = b"\x1f\x8b"
+
+# ------------------------------------------------------------------------------ reading
+
+# kubectl logs --prefix: "[pod/NAME/CONTAINER] "; --timestamps: an RFC 3339 time. vLLM's
+# process prefixes ("(EngineCore_DP0 pid=123) ", "(Worker_TP1 pid=124) ") and whatever
+# VLLM_LOGGING_PREFIX adds need no stripping: signatures are searched anywhere in a line.
+_POD = re.compile(r"\[pod/(?P<pod>[^/\]]+)(?:/[^\]]*)?\] ")
+_RFC3339 = re.compile(r"(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)?) ")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# vLLM's own stamp: "WARNING 08-16 08:09:07 [worker.py:2967] ", milliseconds optional.
+_VLLM_STAMP = re.compile(r"\b(?P<md>\d\d-\d\d) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)? \[")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One log line without kubectl's prefixes: the pod that logged it, when (seconds,
+    from kubectl's stamp or vLLM's; None without either) and the text."""
+
+    pod: str
+    seconds: float | None
+    text: str
+
+
+def strip(raw: str) -> Line:
+    """``raw`` without kubectl's prefixes (pod, timestamp), in whichever order they come."""
+    text = _ANSI.sub("", raw.rstrip("\r\n"))
+    pod = ""
+    stamp = None
+    while True:
+        if match := _POD.match(text):
+            pod = match["pod"]
+        elif match := _RFC3339.match(text):
+            stamp = match["ts"]
+        else:
+            break
+        text = text[match.end():]
+    return Line(pod, _seconds(text, stamp), text)
+
+
+def _seconds(text: str, rfc3339: str | None) -> float | None:
+    """kubectl's stamp (every line of a pod has one), else vLLM's (month-day, no year:
+    only differences within a log count)."""
+    if rfc3339:
+        return datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1",
+                                             rfc3339.replace("Z", "+00:00"))).timestamp()
+    if match := _VLLM_STAMP.search(text):
+        return datetime.strptime(f"2000-{match['md']} {match['hms']}",
+                                 "%Y-%m-%d %H:%M:%S").timestamp()
+    return None
+
+
+@contextmanager
+def _opened(name: str) -> Iterator[BinaryIO]:
+    """Log ``name``'s bytes (``-``: stdin), decompressed if gzip (told by its content)."""
+    try:
+        stream = nullcontext(sys.stdin.buffer) if name == "-" else open(name, "rb")  # noqa: SIM115
+    except IsADirectoryError:
+        raise UserError(f"{name}: a directory, not a log") from None
+    except OSError as exc:
+        raise UserError(f"{name}: cannot read: {exc.strerror or exc}") from None
+    with stream as raw:
+        yield gzip.GzipFile(fileobj=raw) if raw.peek(2)[:2] == GZIP_MAGIC else raw
+
+
+def read(name: str) -> Iterator[str]:
+    """The lines of log ``name``, read as they come (a log may be gigabytes); a log it
+    cannot read (binary, empty, a damaged gzip) is a UserError (bad input)."""
+    with _opened(name) as stream:
+        try:
+            head = stream.read(SNIFF_BYTES)
+            if b"\0" in head:
+                raise UserError(f"{name}: binary, not a text log")
+            rest, blank = b"", True
+            for chunk in chain([head], iter(lambda: stream.read(CHUNK_BYTES), b"")):
+                *whole, rest = (rest + chunk).split(b"\n")
+                for raw in whole:
+                    blank = blank and not raw.strip()
+                    yield raw.decode("utf-8", "replace")
+        except (OSError, EOFError) as exc:  # a damaged gzip file: BadGzipFile, EOFError
+            raise UserError(f"{name}: cannot read: {exc}") from None
+    if rest.strip():
+        yield rest.decode("utf-8", "replace")
+    elif blank:
+        raise UserError(f"{name}: empty, no log lines to read")
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+@dataclass(frozen=True)
+class Match:
+    index: int  # the line's position in its log: the order of an engine's lines
+    line: Line
+    req: str | None
+    count: int | None
+
+
+@dataclass
+class Engine:
+    """One engine's log: a file, or a pod's lines in kubectl's output, with the matches of
+    each kind of line in ``symptoms.toml``'s ``[lines]``."""
+
+    name: str
+    matches: dict[str, list[Match]] = field(default_factory=lambda: defaultdict(list))
+    release: str | None = None
+    fix_line: str | None = None
+
+    @property
+    def version(self) -> Version | None:
+        try:
+            return Version(self.release) if self.release else None
+        except InvalidVersion:
+            return None
+
+    @property
+    def active(self) -> set[str] | None:
+        """The fixes the plugin's line says are active (or already in the source tree);
+        None without the line (a patched checkout logs none: unknown)."""
+        if self.fix_line is None:
+            return None
+        ids: set[str] = set()
+        for group in re.finditer(r"(?:^|[:;] )(?:active|already in the source tree): "
+                                 r"(?P<ids>[^;]*)", self.fix_line):
+            ids.update(part.strip() for part in group["ids"].split(",") if part.strip() != "none")
+        return ids
+
+    def requests(self, kind: str) -> dict[str, list[Match]]:
+        by_request: dict[str, list[Match]] = defaultdict(list)
+        for match in self.matches[kind]:
+            by_request[match.req].append(match)
+        return by_request
+
+
+def engines(name: str, lines: Iterable[str], patterns: dict[str, re.Pattern]) -> list[Engine]:
+    """The engines of one log: one per kubectl pod, or the log itself. A line that none of
+    ``patterns`` matches is passed over before its prefixes are read (most of a log)."""
+    # The patterns as one, less their named groups (a name may recur in several).
+    anything = re.compile("|".join(f"(?:{re.sub(r'[(][?]P<[a-z_]+>', '(?:', p.pattern)})"
+                                   for p in patterns.values()))
+    found: dict[str, Engine] = {}
+    for index, raw in enumerate(lines):
+        if not anything.search(raw):
+            continue
+        line = strip(raw)
+        engine = found.setdefault(line.pod, Engine(f"{name}[{line.pod}]" if line.pod else name))
+        for kind, pattern in patterns.items():
+            if (match := pattern.search(line.text)) is None:
+                continue
+            groups = match.groupdict()
+            req = groups.get("req")
+            number = groups.get("count") or groups.get("size")
+            if kind == "release":
+                engine.release = engine.release or req or groups.get("version")
+            elif kind == "fix_set":
+                engine.fix_line = line.text[match.start():]
+            engine.matches[kind].append(Match(index, line, req, int(number) if number else None))
+    return list(found.values())
+
+
+# ------------------------------------------------------------------------------ rules
+
+_CHILD = re.compile(r"(?P<index>\d+)_(?P<parent>.+)")
+
+
+def parent_of(req: str) -> str | None:
+    """The parent of a parallel-sampling child (``f"{index}_{parent}"``, vLLM's
+    ParentRequest.get_child_info), else None."""
+    match = _CHILD.fullmatch(req)
+    return match["parent"] if match else None
+
+
+@dataclass
+class Hit:
+    requests: list[str]
+    lines: int
+    note: str = ""
+    # The symptom's fixes that can have removed what this log shows (None: all of them).
+    fixes: frozenset[str] | None = None
+
+
+def _hit(matches: list[Match], note: str = "", fixes: frozenset[str] | None = None) -> Hit | None:
+    if not matches:
+        return None
+    requests = list(dict.fromkeys(m.req or "" for m in matches))
+    return Hit([r for r in requests if r], len(matches), note, fixes)
+
+
+def _invalid_after_expiry(engine: Engine) -> tuple[list[Match], list[Match]]:
+    """The invalid-KV lines whose request expired with 0 reads earlier in the log, and
+    the others."""
+    expired_at = {req: min(m.index for m in ms if m.count == 0)
+                  for req, ms in engine.requests("expired").items()
+                  if any(m.count == 0 for m in ms)}
+    after, other = [], []
+    for match in engine.matches["invalid"]:
+        late = match.req in expired_at and expired_at[match.req] < match.index
+        (after if late else other).append(match)
+    return after, other
+
+
+def read_after_lease(engine: Engine, symptom: Symptom) -> Hit | None:
+    """Expired with 0 reads, then read; of a request of n = 1, only ``single`` fixes."""
+    after, _ = _invalid_after_expiry(engine)
+    expired = [m for m in engine.matches["expired"] if m.req in {a.req for a in after}]
+    children = any(parent_of(m.req) for m in after)
+    return _hit(after + expired, fixes=None if children else symptom.single)
+
+
+def read_after_release(engine: Engine, symptom: Symptom) -> Hit | None:
+    _, other = _invalid_after_expiry(engine)
+    return _hit([m for m in other if parent_of(m.req)])
+
+
+def early_notification(engine: Engine, symptom: Symptom) -> Hit | None:
+    _, other = _invalid_after_expiry(engine)
+    return _hit([m for m in other if not parent_of(m.req)])
+
+
+def stranded_siblings(engine: Engine, symptom: Symptom) -> Hit | None:
+    """Siblings expired unread while another sibling of their prompt was read: one
+    expired after reads, one has invalid-KV lines, or one is missing from the expired
+    (released by its read, which upstream does not log). A prompt whose siblings all
+    expired unread was never decoded: only the lease frees it, no bug."""
+    if engine.matches["push_mode"]:
+        return None
+    invalid = {m.req for m in engine.matches["invalid"]}
+    read_parents = {parent_of(req) for req in invalid}
+    by_parent: dict[str, dict[int, list[Match]]] = defaultdict(lambda: defaultdict(list))
+    for match in engine.matches["expired"]:
+        if child := _CHILD.fullmatch(match.req):
+            by_parent[child["parent"]][int(child["index"])].append(match)
+    stranded = []
+    for parent, siblings in by_parent.items():
+        unread = {i: ms for i, ms in siblings.items()
+                  if all(m.count == 0 for m in ms) and f"{i}_{parent}" not in invalid}
+        read = len(unread) < len(siblings) or set(range(max(siblings) + 1)) - set(siblings) \
+            or parent in read_parents
+        if unread and read:
+            stranded += [m for ms in unread.values() for m in ms]
+    return _hit(stranded)
+
+
+def push_expired(engine: Engine, symptom: Symptom) -> Hit | None:
+    if not engine.matches["push_mode"]:
+        return None
+    return _hit([m for m in engine.matches["expired"] if m.count == 0])
+
+
+def push_unrecognized(engine: Engine, symptom: Symptom) -> Hit | None:
+    return _hit(engine.matches["push_unrecognized"])
+
+
+def registration_timeout(engine: Engine, symptom: Symptom) -> Hit | None:
+    return _hit(engine.matches["registration_timeout"])
+
+
+def remote_block_ids(engine: Engine, symptom: Symptom) -> Hit | None:
+    return _hit(engine.matches["remote_block_ids"])
+
+
+def recving_metadata(engine: Engine, symptom: Symptom) -> Hit | None:
+    return _hit(engine.matches["recving_metadata"])
+
+
+def expired_in_a_burst(engine: Engine, symptom: Symptom) -> Hit | None:
+    """Expiries of two or more prompts logged in the same second, on a release whose
+    reaper stops at the first lease not yet expired: held behind it, they go together
+    once it goes. A heuristic (prompts prefilled together expire together too), hence
+    only where the release is known to reap that way."""
+    version = engine.version
+    if version is None or not any(version in releases for releases in symptom.releases):
+        return None
+    by_second: dict[float, list[Match]] = defaultdict(list)
+    for match in engine.matches["expired"]:
+        if match.line.seconds is not None:
+            by_second[match.line.seconds].append(match)
+    burst = [m for ms in by_second.values()
+             if len({parent_of(m.req) or m.req for m in ms}) >= 2 for m in ms]
+    return _hit(burst)
+
+
+def slow_cpu_tier_pin(engine: Engine, symptom: Symptom) -> Hit | None:
+    starts = [m for m in engine.matches["cpu_tier"] if m.line.seconds is not None]
+    if not starts:
+        return None
+    ready = [m for m in engine.matches["ready"]
+             if m.line.seconds is not None and m.index > starts[0].index]
+    if not ready:
+        return None
+    took = ready[0].line.seconds - starts[0].line.seconds
+    if took < PIN_SLOW_S:
+        return None
+    return Hit([], 1, f"{took:.0f} s from the CPU tier's allocation to ready "
+                      f"(a finding from {PIN_SLOW_S:.0f} s)")
+
+
+def kvcached_hang(engine: Engine, symptom: Symptom) -> Hit | None:
+    sizes = [m.count for m in engine.matches["tensor_parallel"] if m.count]
+    if not engine.matches["kvcached"] or engine.matches["ready"] or max(sizes, default=1) < 2:
+        return None
+    from vllm_patches._doctor import KNOWN_BAD
+
+    bad = next(bad for bad in KNOWN_BAD if bad.package == "kvcached")
+    return Hit([], 1, f"tensor parallelism {max(sizes)}, no ready line: {bad.what}; fixed in "
+                      f"kvcached {bad.fixed_in} ({bad.reference})")
+
+
+RULES = {rule.__name__: rule for rule in (
+    read_after_lease, read_after_release, early_notification, stranded_siblings,
+    push_expired, push_unrecognized, registration_timeout, remote_block_ids,
+    recving_metadata, expired_in_a_burst, slow_cpu_tier_pin, kvcached_hang)}
+
+
+# ------------------------------------------------------------------------------ symptoms
+
+
+@dataclass(frozen=True)
+class FixRef:
+    """A fix a symptom names: from the series' metadata, or only its id and the
+    symptom's ``fallback`` while the series lacks it."""
+
+    id: str
+    slug: str
+    option: str
+    fix: Fix | None
+
+    def on(self, engine: Engine) -> dict:
+        """The fix in ``engine``: active there (None: the log does not say), needed on its
+        release, upstream since."""
+        active = engine.active
+        state = {"id": self.id, "slug": self.slug, "option": self.option or None,
+                 "active": None if active is None else self.id in active,
+                 "upstream_since": None, "on_release": None}
+        if self.fix is None:
+            state["on_release"] = "not in this vllm-patches"
+            return state
+        if self.fix.upstream_since:
+            state["upstream_since"] = f"v{self.fix.upstream_since}"
+        if engine.version is not None:
+            state["on_release"] = str(self.fix.on(engine.version))
+        return state
+
+
+@dataclass(frozen=True)
+class Symptom:
+    id: str
+    rule: str
+    text: str
+    harm: str
+    why: str
+    fixes: tuple[FixRef, ...]
+    releases: tuple  # SpecifierSets: where each of its fixes is needed
+    opt_in: bool  # its fix's option is off by default: the fix being active is not enough
+    single: frozenset[str] | None  # the fixes that apply to a request of n = 1, if fewer
+
+
+def load_symptoms() -> tuple[dict[str, re.Pattern], list[Symptom]]:
+    from vllm_patches import _series
+
+    data = tomllib.loads(SYMPTOMS.read_text())
+    fixes = {fix.id: fix for fix in _series.load().fixes}
+    symptoms = []
+    for entry in data["symptom"]:
+        refs, ranges = [], []
+        for fix_id in entry["fixes"]:
+            fix = fixes.get(fix_id)
+            fallback = entry.get("fallback", {})
+            refs.append(FixRef(fix_id, fix.slug if fix else fallback["slug"],
+                               entry["options"][fix_id], fix))
+            ranges.append(fix.describe_needed() if fix else fallback["releases"])
+        symptoms.append(Symptom(entry["id"], entry["rule"], entry["text"], entry["harm"],
+                                entry["why"], tuple(refs),
+                                tuple(specifier_set(text) for text in ranges),
+                                entry.get("opt_in", False),
+                                frozenset(entry["single"]) if "single" in entry else None))
+    return {kind: re.compile(text) for kind, text in data["lines"].items()}, symptoms
+
+
+# ------------------------------------------------------------------------------ findings
+
+
+def find(engine: Engine, symptoms: list[Symptom]) -> list[dict]:
+    """The findings in ``engine``'s log: a symptom shows, and not every fix that removes
+    it is active there (the fixes leave traces that look like it: F7's notifications of
+    a prompt it computed, the lease freeing a prompt nobody decodes)."""
+    findings = []
+    for symptom in symptoms:
+        hit = RULES[symptom.rule](engine, symptom)
+        if hit is None:
+            continue
+        fixes = [ref.on(engine) for ref in symptom.fixes
+                 if hit.fixes is None or ref.id in hit.fixes]
+        if fixes and not symptom.opt_in and all(state["active"] for state in fixes):
+            continue
+        findings.append({
+            "log": engine.name, "symptom": symptom.id, "text": symptom.text,
+            "harm": symptom.harm, "requests": len(hit.requests), "lines": hit.lines,
+            "example": hit.requests[0] if hit.requests else None, "note": hit.note or None,
+            "release": f"v{engine.release}" if engine.release else None,
+            "fix_set": None if engine.active is None else sorted(engine.active),
+            "fixes": fixes, "why": symptom.why})
+    return findings
+
+
+def _fix_words(state: dict) -> str:
+    active = {True: "active", False: "not active", None: "active unknown"}[state["active"]]
+    parts = [active] + ([f"option {state['option']}"] if state["option"] else [])
+    if state["on_release"] and state["on_release"] != "needed":
+        parts.append(state["on_release"])
+    return f"{state['id']} {state['slug']} ({', '.join(parts)})"
+
+
+def line(finding: dict) -> str:
+    """A finding as one line: where, what, how often, on what, which fix, since when."""
+    from vllm_patches._words import count
+
+    seen = (f"{count(finding['requests'], 'request')} in {count(finding['lines'], 'line')}"
+            if finding["requests"] else count(finding["lines"], "line"))
+    example = f", e.g. {finding['example']}" if finding["example"] else ""
+    note = f" ({finding['note']})" if finding["note"] else ""
+    release = finding["release"] or "release unknown"
+    fix_set = ("fix set unknown (no vllm-patches line)" if finding["fix_set"] is None
+               else "fixes active: " + (", ".join(finding["fix_set"]) or "none"))
+    fixes = "; ".join(_fix_words(state) for state in finding["fixes"]) or "no fix of the series"
+    upstream = [f"{s['id']} since {s['upstream_since']}" for s in finding["fixes"]
+                if s["upstream_since"]]
+    return (f"{finding['log']}: {finding['text']} [{finding['harm']}]: {seen}{example}{note}; "
+            f"vLLM {release}, {fix_set}; fixed by {fixes}; upstream: "
+            f"{', '.join(upstream) or 'not fixed'}")
+
+
+def diagnose(names: list[str]) -> list[dict]:
+    """Every finding in the logs ``names``; a log it cannot read is a UserError, before
+    anything is printed."""
+    if names.count("-") > 1:
+        raise UserError("stdin (-) given more than once")
+    patterns, symptoms = load_symptoms()
+    logs = [engines("stdin" if name == "-" else name, read(name), patterns) for name in names]
+    return [finding for log in logs for engine in log for finding in find(engine, symptoms)]
+
+
+def report(names: list[str], as_json: bool) -> int:
+    """Print the findings; 1 when there are any, 0 when none."""
+    findings = diagnose(names)
+    if as_json:
+        print(json.dumps(findings, indent=2))
+    else:
+        for finding in findings:
+            print(line(finding))
+        if not findings:
+            print(f"no known symptom in {', '.join(names)}")
+    return 1 if findings else 0
