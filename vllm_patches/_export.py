@@ -1,31 +1,12 @@
 """`vllm-patches export`: one fix as the pull request a contributor sends upstream.
 
-The series holds the fix and every fix it requires (``requires`` in its metadata: F3
-is built on F2), in series order, one commit per fix: the fix's committed patch for the
-release plus the fix's tests at upstream's paths. Author, committer and Signed-off-by
-are the contributor's git identity (``git format-patch -s``; vLLM's DCO wants the
-contributor's own), and there is no guessed one: without an identity, export refuses.
-``git am`` drops every ``[...]`` that opens a subject, so the fix's ``[Tag]`` prefixes
-survive only ``git am --keep-non-patch``: every line printed says so.
-
-The commits are built on a base (the release's cached checkout, or the contributor's
-HEAD with ``--onto``) in a scratch index and object store (``_git.Commits``, the pipeline
-regen builds the patches with): making and checking a series writes nothing into either
-repository. ``--onto`` then puts the series on the contributor's branch with ``git am``,
-all or nothing (``Checkout.am``).
-
-Everything written is in upstream's words: commit messages come from the fixes'
-title, Why and How, the PR description from their ``export.*`` metadata, which never
-name this project or its fix ids (tests/tool/test_export.py checks every fix). The
-description is the base's own pull request template filled in, short (an overview in
-a line or two, the root cause and design in a few sentences per commit: the full
-reasoning stays in the commit messages), its checklist ticked where the description
-does what the item asks. Its words are those true on the base's release, as
-``Fix.on`` gives them (a timeout up to v0.21, a lease from v0.22). A fix upstream on
-the base is refused; one upstream since a later release is exported as a backport.
-A backport owes upstream nothing on main, which has the fix: it is for the release
-branch of its base (the v0.23 branch for a v0.23.0 base), does what the upstream PR does
-there, and says which PR it backports.
+The fix and every fix it requires, one commit each (the release's patch plus the fix's
+tests), by the contributor's git identity (none guessed), built on a base in a scratch
+store (``_git.Commits``); ``--onto`` applies them with ``git am``, all or nothing. Every
+word is upstream's: commit messages from the fixes' title, Why and How, the description
+from ``export.*``, the base's template filled in, true on the base's release.
+A backport (a fix upstream since a later release) is for the release branch of its base
+(the v0.23 branch for a v0.23.0 base) and says which PR it backports; main needs nothing.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Fingerprints of the upstream code the fixes target, per covered release.
 
-A fix is written against its targets: each upstream class member an overlay replaces
-or adds, each method a hook goes into, each amended module function, the statement of
-each amended class (bases, decorators), and each name an ``@add`` binds (which must be
-absent). The definitions are the ones ``Overlay.select`` picks for the release, the
-same the runtime installs. A target's fingerprint is a hash of its syntax tree
-(``ast``, without positions, comments or formatting), or ``absent``.
-
-``regen`` writes the fingerprints of every covered release's targets, computed from the
-release's tree, to ``patches/v<release>/fingerprints`` (generated, like the patches;
-``regen --check`` proves it fresh, and it travels in the wheel with them). The runtime
-computes the same fingerprints, with the same function, from the installed vLLM's
-source files: where every one equals a covered release's, the installed code at every
-target is that release's code, and the fixes can run as on that release
-(``_runtime.release_basis``). Any difference, a missing file or an unreadable one makes
-the comparison fail, never pass.
-
-Only the standard library is imported at module level (``_runtime`` imports this
-module inside functions; libcst comes with ``Overlay``).
+A target's fingerprint is a hash of its ``ast`` (no positions, comments or formatting),
+or ``absent`` for an ``@add`` name. ``regen`` writes each covered release's to
+``patches/v<release>/fingerprints``; the runtime computes the same from the installed
+vLLM, and runs the fixes as that release only where every one equals
+(``_runtime.release_basis``): any difference or unreadable file fails the comparison.
 """
 
 from __future__ import annotations
@@ -225,17 +212,10 @@ def installed_reader(package: str) -> Reader:
 
 
 def candidate(series: Series, release: Version) -> Version | None:
-    """The covered release an uncovered ``release`` is compared with: the newest covered
-    release of its minor series that is not newer (v0.33.0 for v0.33.1, v0.20.2 for a
-    v0.20.3): vLLM builds a patch release from the one before it, with cherry-picks.
-    None for a release of a minor series nothing covers (v0.34.0): a new minor series
-    moves code anywhere, and is ported, not assumed.
-
-    A development build or pre-release (``0.33.1.dev12+gabcdef``, ``0.34.0rc1.dev3``: a
-    build of vLLM's main or of a release branch) is compared with the newest covered
-    release not newer than its base (``0.33.1``, ``0.34.0``), of any minor series: v0.33.0
-    for both. Such a build is never covered (the series covers final releases only, as
-    the index has them), so the comparison at every target is the one way its fixes run."""
+    """The covered release an uncovered ``release`` is compared with: the newest covered release not
+    newer than it, of its minor series (v0.33.0 for v0.33.1; a new minor series is ported, not
+    assumed: None), or of any series for a development build or pre-release (v0.33.0 for
+    ``0.34.0rc1.dev3``), which the series never covers."""
     if release.is_devrelease or release.is_prerelease:
         base = Version(release.base_version)
         return max((r for r in series.covered if r <= base), default=None)

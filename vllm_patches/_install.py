@@ -1,42 +1,10 @@
-"""Installing overlays into the modules of an imported vLLM: the mechanism under the
-runtime plugin (``_runtime`` decides which fixes, on which release, and what a failure
-does; this module only installs what it is given and proves it is there).
+"""Installing overlays into the modules of an imported vLLM: the runtime's mechanism.
 
-How a fix is installed mirrors the static splice (``_splice``) exactly:
-
-- the definitions are the ones ``Overlay.select`` picks for the release (the same
-  variants, in series order); no overlay module is imported, so the imports that
-  other releases' variants need never run;
-- each definition's source is compiled from the overlay file (tracebacks point at
-  it) and executed in the upstream module's namespace, so its functions' globals are
-  the upstream module's, as if the code sat in the upstream file;
-- the imports the splice would add (``_splice.missing_imports``) are added first;
-- an amended class gets each member set on the live class (zero-argument ``super()``
-  gets the live class); new dataclass fields re-run ``dataclasses.dataclass`` on the
-  live class in place; a hook goes on with its kind's own runtime change
-  (``_hooks.HOOK_KINDS``, the class that also writes the splice's rewrite):
-  ``@call_at_end_of(m)`` and ``@filter_result_of(m)`` wrap upstream ``m``; the
-  ``@filter_call_in(m, c)``, ``@redirect_call_in(m, c)`` and ``@guard_branch_in(m, c)``
-  hooks of all fixes recompile upstream ``m`` once from its source with the splice's own
-  rewrite (``_hooks.filter_calls``), in its module, at its file and line, before any
-  wrapper goes on it; an amended module function replaces the module's binding and every same-named
-  binding of it in loaded modules; ``@add`` binds a new name.
-
-What to install comes from the splice's parse (``_splice.Overlay.parse``, libcst): the
-variants, their order, the imports, the modules an overlay depends on. Each overlay file
-that holds a selected definition is parsed a second time, with ``ast``, only for what is
-executed: ``compile`` takes an ``ast`` whose line numbers are the overlay file's (a
-traceback and ``inspect.getsource`` point at the overlay's line), and the libcst parse
-records no positions (a metadata pass over every overlay that ``regen`` would pay for
-nothing). The two are matched by position (``OverlayDefinition.position``, names
-asserted equal). The ``ast`` also answers whether a patched tree already holds a fix
-(``_in_source``: compared with the installed file's ``ast``, so formatting differences
-do not count).
-
-Everything is validated before the first change (an ``ActivationError``: nothing is
-installed); a failure after it is ``PartlyInstalled``. Only the standard library is
-imported at module level (libcst, ``_splice`` and ``_hooks`` inside the functions that
-need them): vLLM imports the plugin's module in every process.
+It mirrors the static splice (``_splice``): the definitions ``Overlay.select`` picks,
+compiled from an ``ast`` of the overlay file (tracebacks point at it) and executed in
+the upstream module's namespace, with the splice's imports and hook rewrites. Everything
+is validated before the first change (``ActivationError``); a failure after it is
+``PartlyInstalled``. See CONTRIBUTING.md, "Runtime activation".
 """
 
 from __future__ import annotations
@@ -341,15 +309,9 @@ def _ast_member_name(node: ast.stmt) -> str | None:
 
 def _already_there(plans: list[_OverlayPlan],
                    fixes: list[Fix]) -> tuple[dict[str, list[Installed]], set[str]]:
-    """The fixes to leave alone: per fix an earlier call in this process installed, what
-    it installed; and the fixes the source tree already carries.
-
-    A fix is left alone when an earlier activation installed it (the modules record
-    it), or when the source tree already carries it: a tree patched with
-    ``vllm-patches apply`` holds every definition of the fix verbatim (compared as
-    syntax trees), and installing it again would double its ``@call_at_end_of`` calls
-    and trip over its ``@add`` names.
-    """
+    """The fixes to leave alone: per fix an earlier call in this process installed, what it
+    installed; and the fixes the source tree already carries (installing those again would double
+    their hooks and trip over their ``@add`` names)."""
     earlier: dict[str, list[Installed]] = {}
     in_source: set[str] = set()
     for fix in fixes:

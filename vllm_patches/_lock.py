@@ -1,38 +1,8 @@
-"""One vllm-patches run at a time per repository: the lock every verb takes on a
-checkout before it reads the state its plan is made of.
-
-Two `apply` runs on one checkout used to interleave: one run's ``git am`` met the
-other's ``rebase-apply``, its rollback (``git reset --merge``) removed the commits the
-other had just reported done, and the loser blamed the user ("a git am is in progress")
-or printed git's own errors. Holding the lock from before the plan is computed until
-the verb has printed its result makes overlapping runs happen one after the other: the
-second one plans on what the first one left.
-
-Decisions:
-
-- **What is locked: the repository's common git directory**, by ``fcntl.flock`` on a
-  file descriptor of the directory itself (Linux allows flock on a directory opened
-  read-only). The kernel drops the lock when the process ends, ``kill -9`` included,
-  so nothing is created in the user's repository and a dead run never blocks. The
-  common directory, not a worktree's own: worktrees of one repository share its
-  branches, and a run in one worktree rolling back a branch another worktree also has
-  checked out (``git worktree add --force``) would undo the other's commits; runs on
-  different worktrees are short, so serializing them costs little.
-- **Writers exclusive, readers shared.** `apply`, `revert` and `export --onto` take
-  the lock exclusively. `status` and every ``--check`` only read, but a plan read while
-  another run's ``git am`` is half done shows that half state (F1 applied, F2 not), or
-  the other run's ``rebase-apply`` as the user's git am "in progress": they take it
-  shared, so readers run together and none of them reads a state a writer is making.
-- **Wait, then refuse.** A run that finds the lock held waits up to ``WAIT_SECONDS``
-  (the other run usually ends within seconds; on a terminal the wait is shown, naming
-  the other run) and then plans on what it finds; if the other run still holds it, it
-  refuses (exit 1) in one line naming that run: pid, verb, since when. It has changed
-  nothing.
-- **Who holds it** is told by a small description file per holder (pid, command,
-  start time) outside the repository, in a per-user directory under ``$XDG_RUNTIME_DIR``
-  or the temporary directory. The flock alone decides; a description whose process is
-  gone (left by ``kill -9``) is ignored and removed by the next run that reads it, so
-  it never blocks and never names a dead run.
+"""One vllm-patches run at a time per repository: ``fcntl.flock`` on the common git
+directory, taken before a verb reads the state its plan is made of and held until it
+printed its result. Writers hold it exclusively, readers (`status`, ``--check``) shared,
+so none reads a half-applied series; the kernel drops it with the process, so a dead run
+never blocks. A waiting run refuses after ``WAIT_SECONDS``, naming the holder.
 """
 
 from __future__ import annotations

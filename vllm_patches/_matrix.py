@@ -1,15 +1,7 @@
-"""The compatibility matrix: for every release the series covers, what each fix is there.
-
-A cell is ``patch`` (the fix's patch is generated from the overlays against that
-release's tree, on top of the fixes before it, and passes the same checks as
-``regen``), ``upstream`` or ``not applicable`` (``Fix.on``), ``conflict`` (the
-overlays do not splice: a missing definition or file, unformatted output) or ``no
-variant`` (the release needs the fix, but no overlay variant's range holds it).
-The rows are the covered releases (``series.toml``): every release with a source
-archive on the index within the supported range (``Series.supported``), so
-the matrix also says what runtime activation does on each covered release. A release
-of that range on the index that the list lacks is reported (a new patch release:
-cover it).
+"""The compatibility matrix: for every release the series covers, what each fix is there:
+``patch`` (it splices and passes regen's checks), ``upstream``, ``not applicable``,
+``conflict`` or ``no variant``. A release of the supported range on the index that the
+series does not cover is reported.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The committed patches of one release: where they are, their order, and what each
-changes, read from the files alone (no git, no libcst), so that `status` and `apply`
-start fast and work offline.
-
-``patches/v<release>/`` holds one ``git format-patch --full-index`` file per fix the
-release needs and quilt's ``series`` file. Full index lines give every changed file's
-blob id before and after each patch; from them ``PatchSet.positions`` knows the exact
-content ids of the touched files after 0, 1, .. n patches, which is how a plan
-recognizes a pristine or patched checkout without trying a single patch.
+"""The committed patches of one release, read from the files alone (no git, no libcst),
+so that `status` and `apply` start fast and work offline: their order (quilt's
+``series``) and, from the ``--full-index`` blob ids, each touched file's content after
+0 .. n patches (``PatchSet.positions``).
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """What the series is on one checkout, worked out once: the release, each fix's state,
 the patch files, and which of the release's patches HEAD and the work tree hold.
 
-`status` prints a plan; `apply` and `revert` check it and carry it out (``_carry``);
-nothing recomputes it. A tree holds a *set* of the release's patches: a fix the user
-did not choose (``--fix``), or one that conflicts, leaves the others applicable. Patch k
-was generated on top of patches 1..k-1, and any set of them that holds the fixes each
-one ``requires`` applies in series order on the release (tests/tool/test_dependencies.py
-proves it on every covered release), so a set is applied in series order and undone
-newest first. A fix whose requirement conflicts, is blocked, or is neither chosen nor
-held is *blocked*; the others are tried without it.
-
-Two ways to find the sets, the first one free:
-
-- **Exact.** The committed patches carry full blob ids (``_patchset``). A checkout
-  whose touched files are the release's with some of its patches applied is recognized
-  from one ``git ls-tree`` (``PatchSet.recognize``), and a patch whose files hold
-  exactly its pre-image ids applies as it is: nothing is tried.
-- **Tried.** Otherwise git tries the patches in scratch indexes and object stores
-  (``_git.scratch_env``; the checkout is only read): the applied set is found by
-  reverse-applying the patches newest first, each one that reverse-applies being held;
-  the others are applied in series order, each plainly or (``--3way``) with git's 3-way
-  merge. A 3-way step must change the tree (a merge that changes nothing means the
-  change is already there). Reverse steps may also merge: to recognize a series applied
-  with ``--3way`` on edited files, the patches are first replayed onto the release's own
-  blobs (when the repository has them) so that git has the post-images to merge with.
-  Forward steps never see those replayed blobs: they must only succeed where ``git am
-  --3way`` in the checkout itself succeeds.
-
-The work tree is found the same way from its own files: at a set of the patches (for
-instance after ``apply --no-commit``: the fixes are "applied, not committed"), or with
-other local changes, which `apply` and `revert` refuse.
+`status` prints a plan; `apply` and `revert` carry it out (``_carry``). A tree holds a
+*set* of the patches, applied in series order and undone newest first. The set is
+recognized exactly from blob ids (``PatchSet.recognize``) when it can be, else git
+tries the patches in scratch indexes (``_git.scratch_env``), plainly or with ``--3way``
+as ``git am --3way`` in the checkout would; the checkout is only read.
 """
 
 from __future__ import annotations
@@ -488,14 +464,9 @@ class _Trial:
 
 def resolve_release(checkout: Checkout, series: Series, given: Version | None,
                     verb: str) -> Version:
-    """The covered release ``checkout`` is; else one line that names the covered release
-    it resembles most and the command to run with it.
-
-    ``given`` (``--release``) is for a checkout that does not say its release, or says
-    one the series does not cover (a newer release: `--release v0.33.0 --3way`). A
-    checkout that says a covered release is that release: a ``given`` other than it is
-    refused, naming what the checkout says, rather than planning another release's
-    patches on it."""
+    """The covered release ``checkout`` is; else one line that names the covered release it
+    resembles most and the command to run with it. ``given`` (``--release``) never overrides a
+    covered release the checkout says it is."""
     identified = _releases.identify(checkout.path)
     said = identified.release
     if given is not None and said is not None and said != given and said in series.covered:

@@ -1,15 +1,9 @@
 """vLLM releases: fetch a release's source archive into a git checkout, and tell
 which release a checkout is.
 
-A fetched release is the sdist from the package index, verified against the sha256
-the index publishes, unpacked, and committed as one commit tagged ``vX.Y.Z`` so it
-behaves like an upstream checkout. The repo never holds vLLM sources; the cache does.
-The cache is the tool's own, and only ``fetch`` writes it: a cached checkout that was
-changed (HEAD moved, local changes) is refused, never handed out as pristine.
-
-The modules for the network and for archives (urllib, json, hashlib, tarfile, shutil,
-tempfile) are imported where they are used: most commands never fetch, and start faster
-without them (about 30 ms of a 100 ms start).
+A fetched release is the index's sdist, checked against its sha256 and committed as one
+commit tagged ``vX.Y.Z``, in the tool's own cache; a cached checkout that changed is
+refused. Network and archive modules are imported where used (start-up time).
 """
 
 from __future__ import annotations
@@ -239,14 +233,9 @@ def fetch(version: Version) -> Path:
 
 
 def unpack_sdist(sdist: Path, target: Path) -> None:
-    """Unpack a release archive into ``target``: regular files and folders, inside it.
-
-    Python 3.11.4 and later refuse the rest with tarfile's ``data`` filter. Older
-    interpreters have no filters (Debian 12's python3 is 3.11.2, and ``fetch`` crashed
-    there with a TypeError): there every member is checked first, and an archive with
-    anything else (a link, a device, an absolute or ``..`` path) is refused, unpacked
-    not at all.
-    """
+    """Unpack a release archive into ``target``: regular files and folders, inside it. Before Python
+    3.11.4 (no tarfile filters) every member is checked first, and an archive with anything else is
+    refused, unpacked not at all."""
     import tarfile
 
     with tarfile.open(sdist) as archive:

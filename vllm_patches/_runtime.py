@@ -1,48 +1,10 @@
 """Runtime activation: install the overlays onto the live classes of a pip-installed vLLM.
 
-vLLM calls ``register()`` (entry point ``vllm_patches`` in the group
-``vllm.general_plugins``) in every process that loads general plugins: the API
-server's argument parsing, the engine core, and each worker, spawned or forked. It
-installs the fixes that the installed vLLM release needs, from the same overlays the
-git patches are generated from, once per process, verifies that every target now
-carries its fix, and logs one line: what is active, upstream, not applicable.
-
-How a fix is installed (the same definitions the static splice puts into the git
-patches, onto the live modules and classes) is ``_install``'s; this module is the
-plugin's policy: which fixes (environment), as which release, and what a failure does.
-
-Which release the fixes run as (``release_basis``): a covered release (``series.toml``)
-as itself. Another final release (a patch release such as v0.33.1, a post release)
-runs them as the newest covered release of its minor series not newer than it (v0.33.0
-for v0.33.1; its patch releases are cherry-picks onto that one), and only if its code
-at every target of the selected fixes equals that release's: ``_fingerprint`` compares
-the installed definitions with the fingerprints ``regen`` recorded from the release's
-tree. A development build or pre-release (vLLM built from main or a release branch:
-``0.33.1.dev12+gabcdef``, ``0.34.0rc1.dev3``) runs them the same way as the newest
-covered release not newer than its base version, of whatever minor series (v0.33.0 for
-both): the series never covers such a build, so the comparison is its one way to the
-fixes, and it is as strict. Either logs a WARNING naming the release it runs as. A
-release of a minor series nothing covers (a final v0.34.0: ported, not assumed), a
-build older than every covered release, or a difference at any target is not
-verifiable.
-
-What happens when the fixes cannot be activated as asked (any ``ActivationError``: such
-a release, a missing module or target, a bad ``VLLM_PATCHES_*`` value; or any other error
-before the first change) is the operator's choice. By default nothing stops the engine: every process logs one ERROR line naming
-the fixes that are NOT active and why, and vLLM starts without any of them (the
-failure comes before the first change: targets are validated first).
-``VLLM_PATCHES_STRICT=1`` raises the error into vLLM instead, which then fails to start.
-One failure stops vLLM under either policy: installing that fails after the first
-change (a postcondition that does not hold) leaves part of a fix in the process, which
-cannot be taken back, so ``PartlyInstalled`` is always raised. Only the standard library
-and ``packaging`` are imported at module level: vLLM logs and skips a plugin whose
-module fails to import, so everything else is imported inside ``register()``.
-
-Environment (read once per process): ``VLLM_PATCHES_DISABLE=1`` turns the plugin off;
-``VLLM_PATCHES_FIXES=F1,F4`` chooses fixes (default: all); ``VLLM_PATCHES_STRICT=1``
-stops vLLM when the fixes cannot be activated; ``VLLM_PATCHES_ALLOW_UNSUPPORTED=1``
-activates them on a release that is not covered and not verified, at the operator's
-own risk (as the release itself: its version picks the variants).
+The plugin's policy, run by ``register()`` (vLLM's general-plugin entry point) once per
+process: which fixes (``VLLM_PATCHES_*``), as which release (``release_basis``), and what
+a failure does; ``_install`` is the mechanism. Only the standard library and
+``packaging`` at module level: vLLM skips a plugin whose module fails to import.
+CONTRIBUTING.md ("Runtime activation") and docs/operator-guide.md say the rules.
 """
 
 from __future__ import annotations

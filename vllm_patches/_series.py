@@ -36,10 +36,8 @@ def describe_releases(releases: SpecifierSet | str) -> str:
 
 
 def specifier_set(text: str) -> SpecifierSet:
-    """A PEP 440 range. packaging.specifiers is imported here, when a range is first
-    compared, not at start-up: `status` and `apply` on a release checkout compare one only
-    to say why a fix is not applicable there (2.6-3.4 ms with the packaging of the dev
-    extras, python -X importtime, 2026-11-25)."""
+    """A PEP 440 range. packaging.specifiers is imported when a range is first compared, not at
+    start-up (a few ms that `status` and `apply` rarely need)."""
     from packaging.specifiers import SpecifierSet
 
     return SpecifierSet(text)

@@ -21,12 +21,8 @@ class KVCacheCoordinator:
         Add the new computed blocks to the request, then allocate new blocks for
         external computed tokens (if any), in two phases over all groups.
 
-        Invariant: no group pops the free queue while another group still has
-        untouched prefix-cache hits. Phase 1 touches and adds every group's
-        local hits; only then does phase 2 allocate blocks for external tokens.
-        Interleaving the phases per group lets one group's get_new_blocks()
-        evict a block that a later group is about to claim as a hit, so one
-        physical block would end up in two groups with a broken ref_cnt.
+        No group pops the free queue while another group still has untouched
+        prefix-cache hits (vllm-project/vllm#33775).
 
         Args:
             request_id: The request ID.

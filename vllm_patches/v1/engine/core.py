@@ -2,19 +2,9 @@
 """F4 overlay of vllm/v1/engine/core.py: an idle engine wakes for the KV
 connector's idle steps.
 
-With ``async_register_cache`` the workers' registration reports (ready or failed)
-reach the scheduler, and its release order reaches the workers, only with a step.
-An engine without requests blocks in _process_input_queue() on its input queue
-and never steps, so a failed pin kept every other rank's tier pinned until the
-first request. The blocking get is redirected to a get that waits at most until
-the connector's next idle step is due; upstream's own ``except queue.Empty:
-break`` then leaves the loop and the engine steps (the scheduler's
-has_finished_requests() says there is something to send, see
-vllm_patches/v1/core/sched/scheduler.py). No upstream method is copied.
-
-From v0.20.0: v0.19.x's engine/core.py is not ruff-formatted under the ruff that
-regen checks with (a walrus inside a lambda is laid out otherwise), so no splice
-of that file passes; on v0.19.x reports still wait for a step, as before.
+The blocking get of _process_input_queue() waits at most until the connector's
+idle step is due, so that the workers' reports travel without traffic. From v0.20.0:
+v0.19.x's engine/core.py is not ruff-formatted under regen's ruff, so no splice passes.
 """
 
 from vllm_patches._overlay import amend, redirect_call_in

@@ -23,18 +23,10 @@ class SimpleCPUOffloadScheduler:
 
     @call_at_end_of("__init__")
     def _init_register_gate(self) -> None:
-        """Close the offload gate while the workers register their CPU KV cache.
-
-        With ``async_register_cache`` every worker pins its CPU KV cache in the
-        background and reports its rank once its copy backend exists. The gate
-        opens when all ``_expected_worker_count`` workers have reported; until
-        then SimpleCPUOffloadConnector matches no CPU hit and builds no load or
-        store, so no transfer can reach a worker that cannot run it yet. A
-        worker whose registration fails reports failure (it unregistered what it
-        pinned): the gate never opens, on any rank, that is logged once, and the
-        next metadata tells every worker to release its CPU KV cache.
-        Without the option the gate is open from the start.
-        """
+        """Close the offload gate until all ``_expected_worker_count`` workers reported
+        their CPU KV cache pinned: no CPU hit, load or store before. A failure keeps it
+        closed and orders every worker to release its cache. Open from the start without
+        the option."""
         self._ready_worker_ranks: set[int] = set()
         self._failed_worker_ranks: set[int] = set()
         self._release_pending = False

@@ -45,21 +45,10 @@ class SimpleCPUOffloadWorkerMetadata:
 
 @add("F4", ">=0.19.0")
 def get_async_register_cache(vllm_config: VllmConfig | None) -> bool:
-    """Return ``kv_connector_extra_config["async_register_cache"]`` (or its alias
-    ``"async_init"``, upstream PR 54792's name; both given must agree).
-
-    When true, each worker pins its CPU KV cache in a background thread once it
-    captured its CUDA graphs, and the scheduler builds no CPU load or store until
-    every worker has reported that its copy backend exists. The scheduler and the
-    workers read the option from the same config, so they always agree on whether
-    to wait.
-
-    Only a real boolean is accepted (JSON ``true``/``false``). A string such as
-    ``"false"`` is truthy in Python and would silently turn the option on, so it is
-    rejected rather than interpreted. Rejected too, instead of ignored: the disk
-    backend (v0.28+), which pins no CPU KV cache, and elastic EP, which captures
-    CUDA graphs again while the engine serves (the pin could overlap it).
-    """
+    """``kv_connector_extra_config["async_register_cache"]`` (or its alias
+    ``"async_init"``, upstream PR 54792's name; both given must agree). Only a real
+    boolean is accepted (``"false"`` is truthy); the disk backend and elastic EP are
+    rejected."""
     if vllm_config is None or vllm_config.kv_transfer_config is None:
         return False
     extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config or {}

@@ -3,13 +3,8 @@
 background thread (async_register_cache), after the worker captured its CUDA graphs,
 in bounded chunks, so register_kv_caches() returns at once.
 
-No upstream method is copied: three calls inside the method that allocates, pins and
-initialises the copy backend are redirected to new methods (``torch.zeros``,
-``pin_tensor``, ``self._backend.init``); without the option those run the call as
-upstream wrote it. That method is register_kv_caches() on v0.19 .. v0.27 and
-_init_cpu_mode() from v0.28, so the two layouts differ only in three one-line
-redirects. The GPU worker starts the deferred work when compile_or_warm_up_model()
-returns (vllm_patches/v1/worker/gpu_worker.py).
+Three calls (``torch.zeros``, ``pin_tensor``, ``self._backend.init``) are redirected
+in register_kv_caches() (v0.19 .. v0.27) or _init_cpu_mode() (v0.28+).
 """
 
 import ctypes
@@ -56,13 +51,8 @@ def host_unregister(address: int) -> None:
 
 @add("F4", ">=0.19.0")
 def release_host_pages(address: int, nbytes: int) -> None:
-    """Return the whole pages of ``[address, address + nbytes)`` to the OS
-    (madvise MADV_DONTNEED on anonymous memory).
-
-    The mapping stays valid and reads back as zeros, so the tensors that own the
-    range need not be freed: the copy backend and the worker keep references to
-    them, which differ per release.
-    """
+    """Return the whole pages of ``[address, address + nbytes)`` to the OS (madvise
+    MADV_DONTNEED): the mapping stays valid and reads zeros, so no tensor is freed."""
     page = mmap.PAGESIZE
     start = -(-address // page) * page
     end = (address + nbytes) // page * page
@@ -76,12 +66,8 @@ def release_host_pages(address: int, nbytes: int) -> None:
 
 @add("F4", ">=0.19.0")
 def pin_chunks(tensor: torch.Tensor, max_bytes: int) -> list[tuple[int, int]]:
-    """The (address, nbytes) ranges to pin ``tensor`` in, each at most ``max_bytes``.
-
-    Dim 0 of a CPU KV tensor is blocks and the copy backend copies one block row
-    per DMA, so every range starts and ends on a row: no copy crosses two
-    registrations. A row larger than ``max_bytes`` is pinned alone.
-    """
+    """The (address, nbytes) ranges to pin ``tensor`` in, each at most ``max_bytes`` and
+    on block-row bounds (the copy backend's DMA copies one row, never across two)."""
     assert tensor.is_contiguous()
     row_bytes = tensor.stride(0) * tensor.element_size()
     rows_per_chunk = max(1, max_bytes // row_bytes)
@@ -134,26 +120,10 @@ class PinProgress:
 class AsyncCacheRegistration:
     """Pins a worker's CPU KV cache in a daemon thread (``async_register_cache``).
 
-    cudaHostRegister over hundreds of GB runs for minutes. Done inline, it keeps
-    register_kv_caches() and with it engine startup from finishing; here it runs
-    in the background while the engine serves from the GPU KV cache only.
-
-    Invariants:
-    - No CUDA call of this class runs before start(), which the GPU worker calls
-      when compile_or_warm_up_model() returned: cudaHostRegister from another
-      thread during a global-mode CUDA-graph capture fails (900,
-      cudaErrorStreamCaptureUnsupported) or invalidates the capture (vllm#46933,
-      which reverted upstream's background pin of PR 45850).
-    - ``ready`` is set only after every CPU tensor is pinned and the copy backend
-      is initialised; the scheduler opens CPU offload only after every rank
-      reported ready.
-    - A failure part-way unregisters every range this worker registered, is
-      logged once, and is reported (``failed``): CPU offload stays off everywhere.
-    - release() (the scheduler's order after any rank failed) leaves nothing of
-      this worker's registered and its pages returned, whether it comes before,
-      during or after the pin; a pin in progress stops at its next chunk. No rank
-      keeps a pinned tier that offload will never use (vllm#51762).
-    """
+    No CUDA call before start(), which runs after CUDA-graph capture (a pin during
+    capture fails or invalidates it, vllm-project/vllm#46933); ``ready`` only once every
+    tensor is pinned and the copy backend initialised; a failure or release() leaves
+    nothing registered (vllm-project/vllm#51762)."""
 
     # The most one cudaHostRegister call pins. One call of 512 GiB or more fails
     # with cudaErrorMemoryAllocation however much memory is free (vllm#51080), and

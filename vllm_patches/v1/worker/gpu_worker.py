@@ -2,12 +2,8 @@
 """F4 overlay of vllm/v1/worker/gpu_worker.py: start the KV connector's deferred
 CPU cache registration once the worker finished warm-up and CUDA-graph capture.
 
-compile_or_warm_up_model() is where every release v0.19 .. v0.33 runs its warm-up
-dummy runs and capture_model(); the engine core calls it right after
-initialize_from_config(), whose register_kv_caches() only deferred the pin. When it
-returns, no capture runs again except elastic EP's rescale, which F4 rejects.
-v0.33 moved the body into _compile_or_warm_up_model(), which the public method
-returns from inside a `with`: the hook filters the body's result there.
+After compile_or_warm_up_model() no capture runs again (elastic EP, which would, is
+rejected); from v0.33 the hook filters _compile_or_warm_up_model()'s result.
 """
 
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group

@@ -2,12 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/utils.py``.
 
-- F5: ``PromptReads``, which of a decoder's requests reads a remote prompt's KV
-  when several carry the same prefill's ``kv_transfer_params`` (the children of a
-  parallel-sampling request). The NIXL connector's scheduler side asks it
-  (``nixl/connector.py`` overlay). It lives here, not in the connector module:
-  nothing in it is NIXL's, and on v0.18 - v0.19 the connector module also takes
-  F2's and F3's additions, which a fix exported alone must not depend on.
+- F5: ``PromptReads``, which of a decoder's requests reads a shared remote prompt.
+  Here, not in the NIXL connector module, so that it exports without F2 and F3.
 - F12: ``PromptWrites``, the same for push mode's registrations (v0.28+).
 """
 
@@ -36,40 +32,15 @@ class _PromptRead:
 
 @add("F5", ">=0.18.0")
 class PromptReads:
-    """Which of the decoder's requests reads a remote prompt's KV.
+    """Which of the decoder's requests reads a remote prompt's KV, named by
+    (remote_engine_id, remote_request_id): the children of an ``n > 1`` request.
 
-    A decode engine splits an ``n > 1`` request into ``n`` children, each with its
-    own copy of the prefill's kv_transfer_params, so each child would READ the
-    same remote blocks (seen in a real v0.21.0 pair whose decoder had room for every
-    child: the 8 children of a 3-block prompt READ it whole 8 times). A remote
-    prompt is named by (remote_engine_id, remote_request_id).
-
-    Invariants:
-
-    - At most one request at a time is a prompt's reader; the connector answers
-      for it as upstream does (it READs whatever its local prefix hit lacks).
-    - Another request with the same prompt waits ("not ready yet", ``None``, which
-      the scheduler of every release v0.18+ skips for a step) only while the
-      reader is alive and its KV is not loaded yet; it never waits on a reader
-      that finished, was aborted or preempted.
-    - Once the reader's KV is in the local prefix cache (the scheduler caches it
-      when the load completes, or when a failed load is recomputed), a request
-      whose local hit leaves at most one block of its prompt computes that rest
-      itself (answer 0 tokens): the connector then sends the producer the
-      notification of a full local prefix hit, so the producer's count of reads
-      completes as with ``n`` READs (stock, or releasing siblings as PR 43509
-      does). A request whose hit is shorter (evicted, failed load, no prefix
-      caching) becomes the reader and READs itself: never worse than upstream.
-    - State lives from a prompt's first request until its last one finished
-      (``finished``); then only the prompt's name outlives them, among the last
-      ``ended_limit`` prompts that ended. A request of an ended prompt has no
-      reader to wait on: it takes the prompt from the prefix cache as above, or
-      becomes the reader. The front end adds the children of an ``n > 1`` request
-      to the engine one by one, and a late one can find every earlier sibling
-      finished (seen in a real push pair through MultiConnector: the 7 other
-      children of an n = 8 request reached the scheduler 0.3 s after the first,
-      which had been served and had finished; the first late child registered
-      the prompt's last block again, a second WRITE).
+    - At most one request at a time reads it, as upstream does.
+    - Another waits ("not ready yet", ``None``) only while that reader is alive and
+      its KV not loaded; then, if its prefix hit leaves at most a block, it computes
+      the rest (0 tokens) and notifies the producer as a full hit does; else it reads.
+    - State lives until the prompt's last request finished; then its name stays among
+      the last ``ended_limit`` ended prompts, for late children, which wait on nobody.
     """
 
     # A pull decode leg names the remote blocks it reads (the prefill's response
@@ -169,24 +140,9 @@ class PromptReads:
 
 @add("F12", ">=0.28.0")
 class PromptWrites(PromptReads):
-    """Push mode (v0.24+): which of the decoder's requests registers its blocks
-    for a remote prompt, so that the producer WRITEs it once.
-
-    The same invariants as PromptReads, with "registers" for "reads": the
-    children of an ``n > 1`` decode leg carry one remote request id (the push
-    proxy's X-Request-Id), one of them registers, and the others wait until the
-    WRITE into its blocks completed (the scheduler caches them then), take the
-    prompt from the prefix cache and compute what is left of it, at most a block.
-    A push decode leg names no remote blocks: the producer pairs the
-    registration with its own request and WRITEs from that request's blocks.
-
-    One more invariant: once a registration of a prompt failed (the reader
-    finished with an error: the registration watchdog gave up, nothing was
-    WRITten), nobody registers for that prompt again; the others compute it
-    themselves (answer 0 tokens). Registering again would wait out another
-    watchdog for each child in turn, n times push_registration_timeout, for a
-    prompt the producer did not serve once (seen in a real pair: the client
-    of an n = 4 request gave up before the second child's watchdog).
+    """PromptReads for push mode (v0.28+), with "registers" for "reads": the producer
+    WRITEs a prompt once. Once a registration failed nobody registers that prompt
+    again (each would wait out a watchdog in turn); the others compute it.
     """
 
     names_remote_blocks = False

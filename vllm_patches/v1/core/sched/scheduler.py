@@ -2,13 +2,8 @@
 """F4 overlay of vllm/v1/core/sched/scheduler.py: a step without requests when the
 KV connector has something that only a step carries.
 
-EngineCore steps only while the scheduler has_requests(); a KV connector with an
-``idle_step_wait()`` (SimpleCPUOffloadConnector with ``async_register_cache``,
-until every worker's registration report arrived and, after a failure, the
-release order went out) counts as finished work once its idle step is due, so an
-engine without traffic still runs one empty step: schedule() builds the
-connector's metadata, the workers bind it and report through
-kv_connector_no_forward(), and update_from_output() hands the reports back.
+A connector whose ``idle_step_wait()`` is due counts as finished work, so an engine
+without requests runs one empty step, which carries the workers' reports.
 """
 
 from vllm_patches._overlay import amend, filter_result_of

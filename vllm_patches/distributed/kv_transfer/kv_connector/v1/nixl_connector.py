@@ -2,17 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py``.
 
-NIXL producer (prefill) release path, vllm PR 43509:
-
-- F2: a decode engine reads the one parallel-sampling sibling (``n > 1``) it was
-  told about once per child: hold that sibling until all its reads are in, then
-  release it with the siblings registered with it; siblings that register
-  later are released when they register (``BestOfSiblings``).
-- F3: a pull notification that arrives before ``start_load_kv`` registered the
-  request is staged and applied at registration instead of being dropped
-  (``EarlyPullNotifications``).
-
-The connector is one module up to v0.19 (``nixl/`` from v0.20).
+The NIXL connector up to v0.19, one module: what F2, F3 and F5 change here is
+written under ``nixl/`` (``into=``), but for F2's per-release notification count.
 """
 
 from __future__ import annotations

@@ -2,29 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py``.
 
-NIXL consumer (decode) scheduler side, heartbeats (KV leases, from v0.22):
-
-- F6: the children of a parallel-sampling request (``n > 1``) each carry the
-  prefill's ``kv_transfer_params``, so all of them name one remote request, which
-  the heartbeats keep once (a set per remote engine). Upstream drops it from the
-  heartbeats when the first child stops (its KV arrived, or it finished) while
-  the others still wait to read; a count of the tracked requests per remote
-  request keeps it until the last one stops.
-- F7: a request whose prompt's lease the decoder can no longer vouch for (no
-  heartbeat for it within the producer's extension: a stalled or starved decoder,
-  a long wait before its first one) computes the prompt locally instead of
-  READing blocks the producer may have released. The decoder keeps, by its own
-  clock, the time until which it knows the producer holds each remote prompt's
-  lease; the pull scheduler checks it before a READ (``nixl/pull_scheduler.py``).
-- F8: the heartbeats mark the prompts whose READ the decoder scheduled
-  (``read-posted/<remote request id>``), so that the producer holds each until the
-  READ's notification (``nixl/base_worker.py``): the step that schedules a READ
-  carries a heartbeat for it, and every later heartbeat repeats the mark while the
-  prompt is heartbeated.
-
-From v0.24 ``NixlBaseConnectorScheduler``, shared by the pull and push
-schedulers; v0.22 - v0.23 ``NixlConnectorScheduler`` in ``nixl/scheduler.py``
-(``into=``). Upstream methods are changed through hooks only.
+NIXL decode scheduler heartbeats (KV leases, from v0.22; ``NixlConnectorScheduler``
+in ``nixl/scheduler.py`` up to v0.23): F6 keeps a shared prompt heartbeated until its
+last child stops, F7 keeps a bound on each prompt's lease, F8 marks posted READs.
 """
 
 import dataclasses
@@ -73,12 +53,8 @@ class NixlBaseConnectorScheduler:
     def _last_heartbeat_holder(
         self, key: tuple[EngineId, ReqId] | None
     ) -> tuple[EngineId, ReqId] | None:
-        """The remote request of a request that stops heartbeating (its KV arrived,
-        or it finished or was aborted), passed on to upstream's removal only when
-        no other tracked request needs it. The remote request id so stays in the
-        heartbeats while any child of its prompt still waits to read, and leaves
-        with the last one: a prompt nobody needs any more is not renewed, and its
-        lease on the producer expires. O(1)."""
+        """The remote request of a request that stops heartbeating, passed to upstream's
+        removal only when no other tracked request needs it. O(1)."""
         if key is None:
             return None
         holders = self._heartbeat_holders
@@ -96,15 +72,10 @@ class NixlBaseConnectorScheduler:
 
     @cached_property
     def _lease_vouch_window(self) -> float | None:
-        """Seconds after a renewal during which the producer surely holds the lease:
-        its extension (lease * 2 // 3 from when it handles a heartbeat, as the
-        producer computes it) less the heartbeat interval (lease // 6), which covers
-        the heartbeat's transit and the producer's step. The decoder's own lease
-        config is used: the pair is assumed to share it. None (no check, as
-        upstream) when kv_connector_extra_config["recompute_after_lapsed_lease"]
-        is false, or when the lease is too short to leave a window (1 s: the
-        producer's extension is 0). Made on first use, so that schedulers built
-        without __init__ (tests) have it too."""
+        """Seconds after a renewal the producer surely holds the lease: its extension
+        (lease * 2 // 3) less the heartbeat interval (lease // 6); None when
+        kv_connector_extra_config["recompute_after_lapsed_lease"] is false or no window
+        is left."""
         vllm_config = getattr(self, "vllm_config", None)
         config = getattr(vllm_config, "kv_transfer_config", None)
         if config is not None and not config.get_from_extra_config(
@@ -117,13 +88,9 @@ class NixlBaseConnectorScheduler:
 
     @cached_property
     def _lease_vouched_until(self) -> dict[tuple[EngineId, ReqId], float]:
-        """By (remote engine id, remote request id): the time (this process's
-        perf_counter) until which the producer surely holds that prompt's lease;
-        -inf once a lapse was reported. Set when on_new_request starts tracking the
-        prompt, moved on each time build_connector_meta packages a heartbeat naming
-        it while it has not passed (a lapsed lease is never renewed: the producer
-        may have released the blocks), and dropped with the prompt's heartbeat
-        (_stop_heartbeat, for its last request). O(prompts tracked)."""
+        """By (remote engine id, remote request id): the perf_counter time until which
+        the producer surely holds the lease; -inf once it lapsed (a lapsed lease is
+        never renewed)."""
         return {}
 
     @call_at_end_of("on_new_request")
@@ -200,19 +167,10 @@ class NixlBaseConnectorScheduler:
     def _mark_scheduled_reads(
         self, meta: NixlConnectorMetadata
     ) -> NixlConnectorMetadata:
-        """The step's metadata, with its heartbeats marking READs.
-
-        A prompt whose READ this step schedules gets a heartbeat in this step,
-        even between heartbeat intervals: the worker sends the step's heartbeats
-        after posting its READs, so the producer holds the prompt from then on,
-        and a decoder that does not step again for longer than the lease
-        extension cannot have the blocks freed under its READ. A regular
-        heartbeat repeats the mark for every marked prompt it names (a READ the
-        first handshake with the producer deferred is covered from there). The
-        step's heartbeat_by_engine is a new dict with new HeartbeatInfo where a
-        mark is added: upstream hands its own dict to the metadata. Costs
-        O(READs scheduled) per step, and O(prompts in the heartbeat) per
-        heartbeat interval."""
+        """The step's metadata, with a heartbeat marking each READ it schedules: the
+        worker sends it after posting the READs, so the producer holds the prompt from
+        then on. Later heartbeats repeat the mark. Upstream's heartbeat dict is not
+        changed."""
         if not self._marks_reads:
             return meta
         marked = self._marked_reads

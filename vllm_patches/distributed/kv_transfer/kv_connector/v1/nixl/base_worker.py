@@ -2,21 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py``.
 
-NIXL producer (prefill) release path, vllm PR 43509:
-
-- F2: a decode engine reads the one parallel-sampling sibling (``n > 1``) it was
-  told about once per child: hold that sibling until all its reads are in, then
-  release it with the siblings registered with it; siblings that register
-  later are released when they register (``BestOfSiblings``).
-- F3: a pull notification that arrives before ``start_load_kv`` registered the
-  request is staged and applied at registration instead of being dropped
-  (``EarlyPullNotifications``).
-- F8 (KV leases, from v0.22): a heartbeat entry that marks a READ as posted holds
-  the request past its lease until the READ's own notification releases it, or
-  a limit passes; the decode side sends the mark (``nixl/pull_worker.py``).
-
-From v0.24 the producer state lives here and the pull-specific methods
-(``start_load_kv``, ``_get_new_notifs``) in ``nixl/pull_worker.py``.
+NIXL producer (prefill) release path (vllm-project/vllm#43509): F2 releases
+parallel-sampling siblings together (``BestOfSiblings``), F3 stages notifications
+that race registration (``EarlyPullNotifications``), F8 holds a prompt under a READ.
 """
 
 from __future__ import annotations
@@ -62,12 +50,8 @@ class NixlBaseConnectorWorker:
     def _release_best_of_siblings(
         self, req_id: ReqId, pulled_now: AbstractSet[ReqId] = frozenset()
     ) -> set[ReqId]:
-        """Release the siblings of ``req_id``, whose shared KV a decoder pulled.
-
-        ``pulled_now``: requests released with it, which count as its siblings
-        but are released already. Returns the siblings released now: those
-        registered to send. The others are released when they register to send.
-        """
+        """Release the siblings of ``req_id`` registered to send (the others when they
+        register); ``pulled_now`` are siblings released already."""
         siblings = self._best_of_siblings.pulled(
             req_id, self._reqs_to_process, pulled_now
         )
@@ -101,16 +85,9 @@ class NixlBaseConnectorWorker:
         return held
 
     def _lease_siblings_from_read(self, req_id: ReqId) -> None:
-        """A sibling kept after a decode child read it (from every decode rank),
-        and its siblings, live on the other children's heartbeats from now on:
-        their expiry ends at most one lease extension after this read.
-
-        Invariant: every request is released within one lease of its last
-        reader, unless a heartbeat renews it. Heartbeats only extend to their
-        own time plus the extension, so this shortens nothing they set; it
-        ends a longer hold at the read's notification (the hold of a prompt
-        under READ), which would otherwise outlast a decoder killed after its
-        READ. Releases without leases (v0.21 and older) keep their timeout."""
+        """Every request is released within one lease extension of its last reader
+        unless a heartbeat renews it: a sibling kept after a read, and its siblings,
+        live on the other children's heartbeats from now on."""
         extension = getattr(self, "_lease_extension", None)
         if extension is None:
             return
@@ -168,17 +145,8 @@ class NixlBaseConnectorWorker:
 
     @cached_property
     def _read_hold_limit(self) -> float:
-        """Seconds a marked READ holds its prompt
-        (kv_connector_extra_config["read_hold_limit"], 120 by default; 0: marks
-        are ignored). It must outlast the longest READ (a large prompt on a slow
-        link), and it is what a decoder that dies mid-READ, or a READ that fails,
-        costs: no notification ends the hold, so the prompt stays held until the
-        limit passes, instead of a lease extension (20 s at the default lease).
-        A READ's notification ends its hold, also when the release of
-        parallel-sampling siblings keeps the prompt for children that have not
-        read (``_lease_siblings_from_read``). Before leases (v0.21 and older)
-        every prompt was held 480 s (VLLM_NIXL_ABORT_REQUEST_TIMEOUT). Made on
-        first use, so that workers built without __init__ (tests) have it too."""
+        """Seconds a marked READ holds its prompt at most: what a READ that never
+        notifies costs (kv_connector_extra_config["read_hold_limit"], 120; 0: off)."""
         config = getattr(self, "kv_transfer_config", None)
         if config is None:
             return 120.0
@@ -186,20 +154,9 @@ class NixlBaseConnectorWorker:
 
     @call_at_end_of("_handle_heartbeat")
     def _hold_prompts_under_read(self, payload: str) -> None:
-        """Hold each request a heartbeat marks as being READ for ``read_hold_limit``
-        seconds from now, unless its lease already runs longer.
-
-        Invariant: a request whose READ a decoder posted while the producer held
-        it is not released by lease before that READ's own notification arrives
-        (which releases it as upstream does, by its count of reads), or the limit
-        passes. NIXL delivers a READ's notification to the producer when the
-        transfer completes, whatever the decoder does meanwhile; heartbeats ride
-        the decoder's steps, so without the mark a decoder whose step outlasts
-        the lease extension lets the producer free, and reuse, blocks a READ is
-        still reading (the lease protocol of PR 41383). The limit bounds what a
-        decoder that dies mid-READ, or a READ that fails (it sends no
-        notification), keeps held. Costs one substring test per heartbeat
-        without marks."""
+        """A request whose READ a decoder posted is not released by lease before the
+        READ's notification or ``read_hold_limit`` seconds (heartbeats ride the
+        decoder's steps, vllm-project/vllm#41383; NIXL notifies when the READ ends)."""
         mark = self._READ_POSTED_MARK
         if mark not in payload or self._read_hold_limit <= 0:
             return
@@ -298,19 +255,9 @@ class NixlBaseConnectorWorker:
             )
 
     def _settle_early_notifs(self, metadata: NixlConnectorMetadata) -> None:
-        """Apply staged notifications to the requests registered in this step.
-
-        Invariant: no registered request has staged notifications, so no
-        release path (threshold, fan-out, expiry, lease) needs to look at them.
-        A registering request's staged count moves to
-        ``consumer_notification_counts_by_req``, where later notifications keep
-        counting, less the reads of a parallel-sampling sibling that other
-        decode children still make; one whose count is already complete is
-        released as soon as it registers to send (finished: only then may the
-        scheduler free its blocks), with its siblings. Entries of aborted
-        requests are dropped. Costs O(requests in ``metadata``), never a scan
-        of the staged requests.
-        """
+        """No registered request has staged notifications: a registering request's
+        count moves to ``consumer_notification_counts_by_req``, and a complete one is
+        released once it registers to send. O(requests in ``metadata``)."""
         early = self._early_notifs
         if metadata.reqs_not_processed:
             early.released_without_pull(metadata.reqs_not_processed)
@@ -373,49 +320,15 @@ class NixlBaseConnectorWorker:
 @add("F2", ">=0.20.0,<0.24.0", into="worker.py")
 @add("F2", ">=0.18.0,<0.20.0", into="../nixl_connector.py")
 class BestOfSiblings:
-    """Parallel-sampling siblings of requests a NIXL producer's decoders read.
+    """Parallel-sampling siblings ``f"{i}_{parent}"`` of a prompt whose one named
+    sibling every decode child reads: it is held until all children's reads are in
+    (one child per other registered sibling), then released with the others.
 
-    With ``n > 1`` the engine splits a prompt into siblings ``f"{i}_{parent}"``
-    (``ParentRequest.get_child_info``) that share the prompt's KV. The prefill
-    response is made when the last sibling finishes and carries that sibling's
-    ``kv_transfer_params`` only (``ParentRequest.get_outputs``). The decode
-    engine splits the request again into ``n`` children, each with its own copy
-    of those params, and each child reads that one sibling: one READ (or, on a
-    full local prefix hit, a bare notification) per child and per producer rank
-    it reads from. So the producer receives ``n`` times the usual notifications
-    for that sibling, over a few steps, and none for the others; upstream
-    released the sibling after the first child's and held the other ``n - 1``
-    siblings until their expiry or lease ran out.
-
-    Here the read sibling is held until every child's notifications are in
-    (``reads``); the others are released with it (``pulled``): no decoder
-    reads them, their block ids never left this engine. Releasing KV that a
-    decoder still reads corrupts its output, so a request only counts as a
-    sibling when all of these hold:
-
-    - its id has the exact shape ``f"{index}_{parent}"`` (decimal index
-      without leading zeros);
-    - while vLLM randomizes request ids (the default), ``parent`` ends with the
-      ``-xxxxxxxx`` suffix that ``InputProcessor.assign_request_id`` appends, so
-      ids a client chose (``"2_job"``) never qualify;
-    - at least two siblings of ``parent`` are registered with this producer, so
-      a lone id of that shape releases nothing;
-    - it is registered to send (finished, its blocks kept for a decoder); one
-      still being scheduled is released once it registers to send.
-
-    The number of children reading is the number of siblings registered when
-    the first notification arrives: all of them, since the response that tells
-    the decoder where the KV lives leaves only after the last sibling finished.
-    A decoder that runs fewer children (a proxy that decodes with ``n=1``)
-    leaves the read sibling held until its expiry or lease, as upstream held
-    its siblings; one that reads each sibling separately leaves all of them
-    held so, never released early.
-
-    ``enabled`` comes from ``kv_connector_extra_config["release_best_of_siblings"]``
-    (default: on, unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` lets client
-    ids reach the engine unchanged). Pulled parents and the reads held back are
-    each kept for at most ``limit`` requests, oldest forgotten first; a
-    forgotten one falls back to the expiry or lease.
+    Releasing KV a decoder still reads corrupts its output, so a request counts as a
+    sibling only if its id has exactly that shape, ``parent`` ends with the random
+    ``-xxxxxxxx`` suffix while vLLM randomizes ids (so ``"2_job"`` never does), another
+    sibling is registered here, and it is registered to send. A decoder that reads
+    fewer times leaves them held until expiry or lease, never released early.
     """
 
     def __init__(self, enabled: bool, limit: int, randomized_ids: bool) -> None:
@@ -448,14 +361,9 @@ class BestOfSiblings:
     def _siblings(
         self, req_id: str, *groups: Collection[str]
     ) -> tuple[str, list[list[str]]] | None:
-        """``(parent, the siblings of req_id found in each of groups)``, or None
-        if it is no sibling.
-
-        Siblings are looked up by index, up to one past the highest index
-        found, so O(n). Siblings 0..n-1 register together: an index beyond the
-        number of requests in ``groups`` belongs to no live group (and must not
-        make a client-chosen id cost a long search).
-        """
+        """``(parent, the siblings of req_id found in each of groups)``, or None. O(n):
+        an index beyond the requests in ``groups`` is no sibling (a client's id
+        costs no long search)."""
         split = self.split(req_id) if self.enabled else None
         if split is None or split[0] > sum(len(group) for group in groups):
             return None
@@ -484,15 +392,9 @@ class BestOfSiblings:
         per_reader: int,
         registered: Collection[str],
     ) -> int:
-        """Of ``notifications`` pull notifications for ``req_id``, how many count
-        toward its release; the rest are held back.
-
-        ``per_reader``: the notifications one decode child sends this producer
-        rank (one per decode rank reading it). When the first notification for
-        a sibling arrives, the other siblings among ``registered`` are the other
-        children still to read it: ``per_reader`` notifications each are held
-        back, so upstream's count reaches its threshold with the last child's.
-        """
+        """How many of ``notifications`` for ``req_id`` count toward its release:
+        ``per_reader`` are held back for each other sibling in ``registered``, so
+        upstream's count completes with the last child's."""
         held, _ = self._reads_to_hold.get(req_id, (None, per_reader))
         if held is None:
             held = len(self.others(req_id, registered)) * per_reader
@@ -515,13 +417,8 @@ class BestOfSiblings:
         registered: Collection[str],
         pulled_now: Collection[str] = (),
     ) -> list[str]:
-        """Every decoder read of ``req_id`` is in: its siblings among ``registered``.
-
-        ``pulled_now``: requests pulled in the same step, released already; they
-        are siblings too (the parent is remembered for them) but not returned.
-        If any sibling is found the parent is remembered, and its siblings that
-        register to send later are returned by ``late``.
-        """
+        """Every decoder read of ``req_id`` is in: its siblings among ``registered``
+        (not ``pulled_now``); later ones come from ``late``."""
         self._reads_to_hold.pop(req_id, None)
         found = self._siblings(req_id, registered, pulled_now)
         if found is None:
@@ -549,39 +446,10 @@ class BestOfSiblings:
 @add("F3", ">=0.20.0,<0.24.0", into="worker.py")
 @add("F3", ">=0.18.0,<0.20.0", into="../nixl_connector.py")
 class EarlyPullNotifications:
-    """Pull notifications for requests a NIXL producer has not registered yet.
-
-    A decoder's pull-complete notification can reach the producer before
-    ``start_load_kv`` registered the request. Such notifications are counted
-    here (``staged``: request -> (expected notifications, notifications so
-    far)) and move to the worker's counters when the request registers; a
-    request whose notifications were already complete is released when it
-    registers to send (``complete``).
-
-    ``staged`` is changed only through ``stage``, ``take`` and ``drop``, which
-    keep ``_staged_ids`` (its keys as a set) in step: a set intersects with the
-    requests of a step about twice as fast as a dict's keys (cold caches, 256
-    lookups into 8192 entries: about 10 us instead of 22 us).
-
-    At most ``limit`` requests are staged; the oldest is dropped first, and if
-    it registers after all it waits for its expiry or lease, like a request
-    whose notification was lost.
-
-    A notification for a request the producer released without that request's
-    own pull completing (expired or lease reaped, aborted, released as a
-    parallel-sampling sibling) is late, not early: it keeps upstream's error
-    (and, from v0.32, its count of notifications after expiry) and is not
-    staged. The last ``limit`` such requests are remembered. Few requests are
-    released that way (nearly all by their pull), so the check holds across an
-    expiry of 480 s unless more than ``limit`` were since; remembering them
-    costs nothing in a step that releases none.
-
-    A notification for a request released because its pull completed repeats
-    a read (a decoder read it more times than counted): it is neither staged
-    nor an error, and is ignored with a warning. The requests released by
-    their pull in the last ``REPEAT_REPORTS`` reports that released any (at
-    most ``limit`` requests) are remembered, as the reports' own sets: no cost
-    per request, and a decoder's reads of one request end within a few steps.
+    """Pull notifications that reached the producer before ``start_load_kv`` registered
+    their request: counted in ``staged`` (at most ``limit`` requests, oldest dropped)
+    until it registers. Those for requests released without their pull are late
+    (upstream's error stays), those for requests released by their pull repeats.
     """
 
     REPEAT_REPORTS = 128
@@ -589,6 +457,8 @@ class EarlyPullNotifications:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.staged: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        # staged's keys as a set, kept in step by stage, take and drop: a step's
+        # requests intersect a set about twice as fast as a dict's keys.
         self._staged_ids: set[str] = set()
         # Registered requests whose staged notifications were complete, waiting
         # to register to send: request -> expected notifications.

@@ -2,20 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py``.
 
-NIXL consumer (decode) scheduler side, pull mode:
-
-- F5: the children of a parallel-sampling request (``n > 1``) each carry the
-  prefill's ``kv_transfer_params`` and each READ the same remote blocks: ``n``
-  transfers of one prompt. One child reads; the others wait for that read, take
-  the prompt from the decoder's prefix cache and notify the producer as a full
-  local prefix hit does (``PromptReads``, added to ``kv_connector/utils.py``).
-- F12: the same for push mode (v0.24+): one child registers its blocks and gets
-  the producer's WRITE, the others take the prompt from the prefix cache once it
-  landed (``PromptWrites``).
-
-v0.20 - v0.23: ``NixlConnector`` here; from v0.24 the scheduler-side methods live
-in ``NixlBaseConnector`` and the pull connector is ``NixlPullConnector``; up to
-v0.19 all of it is ``NixlConnector`` in ``nixl_connector.py`` (``into=``).
+NIXL decode scheduler side: F5 reads a parallel-sampling prompt once
+(``PromptReads``), F12 registers it once in push mode (``PromptWrites``). Up to v0.19
+in ``nixl_connector.py``; from v0.24 in ``NixlBaseConnector`` and ``NixlPullConnector``.
 """
 
 from __future__ import annotations

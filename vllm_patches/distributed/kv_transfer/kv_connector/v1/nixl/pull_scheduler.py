@@ -2,15 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``.
 
-NIXL consumer (decode) scheduler side, pull mode, KV leases (from v0.22):
-
-- F7: the scheduler's answer to get_num_new_matched_tokens is a READ only while
-  the decoder can vouch for the remote prompt's lease on the producer; past that
-  bound (kept in ``nixl/base_scheduler.py``) it answers 0 external tokens and the
-  prompt is computed locally.
-
-From v0.24 ``NixlPullConnectorScheduler``; v0.22 - v0.23 ``NixlConnectorScheduler``
-in ``nixl/scheduler.py`` (``into=``). Push schedulers (v0.24+) are unchanged.
+F7 (KV leases, from v0.22): a READ only while the decoder can vouch for the remote
+prompt's lease (the bound kept in ``nixl/base_scheduler.py``); past it, 0 tokens.
 """
 
 import math
@@ -32,13 +25,9 @@ class NixlPullConnectorScheduler:
     def _unless_lease_lapsed(
         self, answer: tuple[int, bool], request: "Request"
     ) -> tuple[int, bool]:
-        """The answer for ``request``, unless it is a READ of a remote prompt whose
-        lease the decoder can no longer vouch for: then 0 external tokens, so that
-        the scheduler computes the prompt locally and update_state_after_alloc takes
-        the path of a full local prefix hit (a receive with no blocks: the worker
-        tells the producer to free the prompt now, and do_remote_prefill is cleared;
-        an abort before that frees it through request_finished). Answers that READ
-        nothing pass unchanged. One WARNING per prompt."""
+        """The answer for ``request``, or 0 external tokens for a READ of a prompt whose
+        lease the decoder can no longer vouch for: the prompt is computed locally and
+        the producer freed as for a full local prefix hit. One WARNING per prompt."""
         num_tokens, load_async = answer
         params = request.kv_transfer_params
         if not load_async or not num_tokens or not params:

@@ -2,20 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py``.
 
-NIXL producer (prefill) release path, vllm PR 43509:
-
-- F2: a decode engine reads the one parallel-sampling sibling (``n > 1``) it was
-  told about once per child: hold that sibling until all its reads are in, then
-  release it with the siblings registered with it; siblings that register
-  later are released when they register (``BestOfSiblings``).
-- F3: a pull notification that arrives before ``start_load_kv`` registered the
-  request is staged and applied at registration instead of being dropped
-  (``EarlyPullNotifications``).
-
-Only the pull-specific methods live here; state and helpers are added to
-``NixlBaseConnectorWorker`` (``nixl/base_worker.py``). Upstream methods are
-changed through hooks only; a partial class per range holds what differs
-between layouts.
+NIXL producer release path, pull-specific methods of F2 and F3; their state lives in
+``nixl/base_worker.py``.
 """
 
 from __future__ import annotations
@@ -91,12 +79,9 @@ class NixlPullConnectorWorker:
 
     @filter_call_in("_get_new_notifs", "self.nixl_wrapper.get_new_notifs")
     def _sibling_reads(self, notifs: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
-        """Hold back the notifications of a parallel-sampling sibling's reads
-        until every decode child reading it has notified (``_holds_back``).
-
-        Sees the NIXL notifications before _get_new_notifs counts them; costs
-        one search of the joined messages when none names a sibling.
-        """
+        """Hold back a parallel-sampling sibling's notifications until every decode
+        child reading it notified. One search of the joined messages when none names a
+        sibling."""
         siblings = getattr(self, "_best_of_siblings", None)
         self._siblings_notified = (
             siblings is not None
@@ -155,19 +140,9 @@ class NixlPullConnectorWorker:
 
     @redirect_call_in("_get_new_notifs", "self._handle_heartbeat")
     def _heartbeat_with_siblings(self, payload: str) -> None:
-        """Renew the leases a decoder's heartbeat names, and with each renewed
-        parallel-sampling sibling the siblings registered with it.
-
-        The decoder heartbeats the one sibling it was told about (the last to
-        finish), while it waits to read it; the other siblings share its KV and
-        are released with it once every decode child read it (BestOfSiblings).
-        Their own leases must not run out first: that frees their blocks while
-        the decoder, queueing under load, still heartbeats the advertised one
-        (one "Releasing expired KV blocks" line per such sibling, seen with 4
-        clients and n=8 on v0.32 real engines). So a sibling's lease ends no
-        earlier than the advertised sibling's: leases are only ever extended,
-        and a decoder that stops heartbeating lets all of them expire together.
-        """
+        """Renew the leases a heartbeat names and, with a renewed sibling, its
+        registered siblings: no sibling's lease ends before the advertised one's, and
+        all expire together when the decoder stops heartbeating."""
         self._handle_heartbeat(payload)
         siblings = getattr(self, "_best_of_siblings", None)
         if siblings is None or not siblings.enabled or "_" not in payload:
@@ -194,16 +169,9 @@ class NixlPullConnectorWorker:
     def _is_late_notif(
         self, req_id: str, notif: bytes, notified_req_ids: set[str]
     ) -> bool:
-        """Upstream's loop met a notification for a request it does not hold: whether
-        its branch for those runs (the "Potentially invalid KV blocks" error and,
-        from v0.32, the count of notifications after expiry), which it does for a
-        late one (``is_late``). Any other is taken here (``_notif_not_held``): a
-        repeat of a completed pull (``notified_req_ids``: what the loop released
-        earlier in this call) is ignored, an early one staged.
-
-        Runs only where upstream's loop takes that branch: nothing for the
-        notifications of held requests.
-        """
+        """Whether upstream's branch for a request it does not hold runs: for a late
+        notification only. Others are taken here: a repeat ignored, an early one
+        staged."""
         if self._early_notifs.is_late(req_id):
             return True
         expected = self._notifications_per_reader(int(notif.rpartition(b":")[2]))

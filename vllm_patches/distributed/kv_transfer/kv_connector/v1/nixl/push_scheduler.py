@@ -4,31 +4,13 @@
 
 NIXL push mode (v0.24+), decoder scheduler side:
 
-- F15 (v0.24.0 .. v0.25.1; upstream since v0.26.0): a decode leg carries
-  ``remote_block_ids`` (empty) from its arrival, so that the empty receive
-  request_finished stages for a decode request that finished before it was
-  scheduled can be built into the step's metadata. A push decode leg has none,
-  and its KeyError in the next schedule() ended the decoder's EngineCore.
-- F9: a registration that the watchdog gives up on (``push_registration_timeout``)
-  is a failed receive: the step's metadata names it (``push_expired_registrations``,
-  ``nixl/metadata.py``; the deadlines are watched from update_state_after_alloc to
-  update_connector_output, since build_connector_meta, which calls ``super()``,
-  cannot be recompiled at run time to see the watchdog's pops), and the push workers
-  report it through upstream's failed-receive path (``nixl/push_worker.py``), so
-  that the scheduler applies ``kv_load_failure_policy`` and frees the blocks. A
-  request aborted while its registration waits keeps its watchdog, so that its
-  blocks, which the scheduler holds until the receive ends, are freed too.
-- F10: the heartbeats also name the decoder's own request ids. The remote
-  request id a push decode leg carries is the proxy's X-Request-Id, which names
-  no producer request; the decoder's own id is the one its registration
-  carries, and the producer pairs it with its own request by the id without its
-  random suffix (``nixl/push_worker.py`` renews the lease by that key too).
-- F12: a decode request that takes its whole prompt from the local prefix cache
-  (a child whose sibling registered and got the prompt's WRITE, ``PromptWrites``
-  in ``kv_connector/utils.py``) stages the empty receive that tells the producer
-  to release what it holds for it (F11's release), as the pull scheduler does for
-  a full local hit; upstream's push scheduler stages nothing then, and the
-  producer held the prompt until its lease.
+- F15 (up to v0.25): a decode leg has ``remote_block_ids`` from its arrival.
+- F9: a registration the watchdog gives up on is named in the step's metadata, for
+  the workers to fail (deadlines are watched from update_state_after_alloc: the
+  watchdog's pops are inside build_connector_meta, which calls ``super()``).
+- F10: heartbeats also name the decoder's own request ids.
+- F12: a request that takes its whole prompt from the prefix cache stages the empty
+  receive that releases the producer's copy, as the pull scheduler does.
 """
 
 from __future__ import annotations
@@ -60,16 +42,9 @@ class NixlPushConnectorScheduler:
     engine."""
 
     def on_new_request(self, request: Request) -> None:
-        """Keep: a push decode leg carries ``remote_block_ids`` from its arrival.
-        Every receive the scheduler stages reaches build_connector_meta, whose
-        add_new_req_to_recv reads the key; a push proxy sends the decode leg
-        without it (the producer learns the decoder's blocks from the
-        registration). update_state_after_alloc seeds an empty tuple for the
-        receives it stages, but request_finished stages one for a request that
-        finished before it was scheduled (its client left while it waited for
-        a seat) without it, and the next schedule() raised KeyError, a fatal
-        error of the EngineCore. Upstream seeds it in request_finished from
-        v0.26.0; seeding on arrival covers every path that stages a receive."""
+        """Keep: a push decode leg has ``remote_block_ids`` from its arrival, so that
+        the empty receive request_finished stages for it builds (upstream seeds it there
+        from v0.26.0; before, build_connector_meta's KeyError ended the EngineCore)."""
         super().on_new_request(request)
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
@@ -162,13 +137,9 @@ class NixlPushConnectorScheduler:
 
     @filter_result_of("build_connector_meta")
     def _with_own_heartbeat_ids(self, meta: KVConnectorMetadata) -> KVConnectorMetadata:
-        """Add to each remote engine's heartbeat the ids of this decoder's
-        requests that heartbeat it: those upstream tracks in
-        _heartbeat_req_engine from on_new_request until their KV arrives or they
-        finish. The remote request ids upstream sends stay (a producer whose
-        request id is the remote id still renews it); the tracked state is not
-        changed, the step's metadata gets copies. Once per heartbeat interval,
-        O(tracked requests)."""
+        """Add to each remote engine's heartbeat the ids of this decoder's requests that
+        heartbeat it (vllm-project/vllm#53095); the step's metadata gets copies,
+        upstream's remote ids stay. O(tracked requests) per heartbeat interval."""
         assert isinstance(meta, NixlConnectorMetadata)
         if not meta.heartbeat_by_engine or not self._heartbeat_own_request_ids:
             return meta
@@ -201,12 +172,9 @@ class NixlPushConnectorScheduler:
 
     @call_at_end_of("update_state_after_alloc")
     def _release_remote_prompt_of_local_hit(self, request: Request) -> None:
-        """A decode request still marked do_remote_prefill after
-        update_state_after_alloc had nothing to receive (upstream unmarks every
-        request it registers): its prompt came from the local prefix cache. Stage
-        the empty receive that request_finished stages for a request that never
-        registers, now rather than when it finishes (its decode may outlast the
-        producer's lease), and unmark it so that request_finished stages none."""
+        """A request still marked do_remote_prefill after update_state_after_alloc took
+        its prompt from the prefix cache: stage now the empty receive that releases the
+        producer's copy (its decode may outlast the lease), and unmark it."""
         params = request.kv_transfer_params
         if (
             not self._release_prompt_of_local_hit

@@ -4,40 +4,13 @@
 
 NIXL push mode (v0.24+), worker side:
 
-- F16 (producer side, v0.24.0 .. v0.29.0; upstream since v0.30.0): a WRITE that
-  NIXL reports failed is the producer's own, not a failed receive: its handle is
-  released and the request is not reported done (its lease releases it), where
-  upstream put the producer's request id on the failed-receive queue and the next
-  get_finished ended the worker on ``assert meta is not None``. Two methods of the
-  push worker's own, each calling the base one; no upstream body changes.
-- F9 (decoder side): each request the step's metadata names in ``push_expired_registrations``
-  (its registration timed out on the scheduler) is reported as a failed receive,
-  as the worker reports a registration it could not send: up to v0.29 through
-  ``_handle_failed_transfer`` (its blocks are invalid and it is done receiving),
-  from v0.30 through ``_failed_recv_reqs`` (``failed_recving``).
-- F10 (producer side): a heartbeat renews the lease of each held request that
-  the registration of the heartbeated id would be paired with: the id itself,
-  or else every held request with the same id once the per-engine random suffix
-  is stripped (``get_base_request_id``, the key ``_pop_matching_registration``
-  and ``_pop_matching_finished_blocks`` use). A push decoder's heartbeats also
-  name its own request ids (``nixl/push_scheduler.py``).
-- F11 (decoder and producer side): a decoder request that finished before it was scheduled (its
-  receive has no blocks and no registration) is dropped from
-  ``_recving_metadata`` and named to the producer in a marked heartbeat entry
-  (``HB:push-release/<id>``, which a producer without the fix ignores); the
-  producer's writer releases the finished request it pairs with as a
-  registration would (``PushReleases``), or stages the release until that
-  request finishes, and the engine thread reports it done sending.
-- F13 (producer side): right before leases run out (where ``_get_new_notifs``
-  returns), each request a WRITE of this producer is still reading is held past
-  its lease until the WRITE is done or failed, for at most ``write_hold_limit``
-  seconds (``WriteHolds``).
-- F14 (decoder and producer side): a decoder registration carries when its
-  decoder gives up on it (``expires_at``, wall-clock seconds: its
-  ``push_registration_timeout`` from when the writer first saw it), and the
-  producer serves no registration past that and parks none beyond it: expired ones
-  are dropped before the writer pairs a finished request, so a later request with
-  the same id (a client retry) is not WRITTEN into blocks the decoder freed
+- F16 (producer, up to v0.29): a failed WRITE is no failed receive.
+- F9 (decoder): a registration the watchdog gave up on is a failed receive.
+- F10 (producer): a heartbeat renews what the heartbeated id's registration pairs with.
+- F11 (both): a decode request that never registers releases the producer's prompt
+  (``PushReleases``).
+- F13 (producer): no lease releases blocks a WRITE is reading (``WriteHolds``).
+- F14 (both): a registration past its decoder's timeout is dropped
   (``ParkedRegistrations``).
 """
 
@@ -74,16 +47,9 @@ class NixlPushConnectorWorker:
         return set()
 
     def _handle_failed_transfer(self, req_id: str, handle: int | None) -> None:
-        """Keep: only a request this worker receives for is reported as a failed
-        receive. The base worker's poll of transfers calls this for every failed
-        handle, the push producer's WRITEs (_sending_transfers) too, and the base
-        method queues the id in _failed_recv_reqs: the next get_finished reports
-        it done receiving, finds no _recving_metadata for it and fails
-        ``assert meta is not None``, which ends the worker, and the engine with
-        it. A WRITE fails when its decoder dies or its link drops. The failed
-        WRITE's handle is released and the failure counted, as the base method
-        does; its request stays held until its lease, as upstream does from
-        v0.30.0 ("A failed send must never be reported as done")."""
+        """Only a request this worker receives for is a failed receive: a failed WRITE
+        of its own is released and counted here, and its lease releases the request (the
+        base method's queue ended the worker on ``assert meta is not None``)."""
         if req_id not in self._sending_transfers:
             super()._handle_failed_transfer(req_id, handle)
             return
@@ -93,10 +59,8 @@ class NixlPushConnectorWorker:
         self.xfer_stats.record_failed_transfer()
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> set[str]:
-        """The base poll, less the requests whose WRITE failed in it: such a
-        request has no handle left, but its push did not complete (the decoder
-        did not get the prompt), so get_finished must not report it done
-        sending, and its lease releases it."""
+        """The base poll, less the requests whose WRITE failed in it: their push did
+        not complete, so they are not done sending."""
         done = super()._pop_done_transfers(transfers)
         failed = self._failed_writes
         if not failed:
@@ -154,20 +118,9 @@ class NixlPushConnectorWorker:
 
     @redirect_call_in("_get_new_notifs", "self._handle_heartbeat")
     def _renew_paired_leases(self, payload: str) -> None:
-        """Renew, through upstream's _handle_heartbeat, the held requests the
-        heartbeat's ids name as a push registration names them.
-
-        In push mode the decoder cannot know the producer's request ids (both
-        legs leave the proxy at once), so the remote request id it heartbeats is
-        the proxy's X-Request-Id, which names no held request: the lease ran out
-        while the decoder, still waiting for a seat, heartbeated it, and the
-        registration that followed found the blocks released. A registration is
-        paired with a held request by its id, or else by the id without the
-        random suffix (get_base_request_id); a heartbeat id now renews exactly
-        the requests such a registration could be served from. The heartbeat's
-        own ids stay in the payload (upstream renews those held as they are),
-        the paired ones are added. O(held requests) per heartbeat, only when one
-        of its ids is not held as it is."""
+        """Renew the held requests a heartbeat id pairs with as a registration does
+        (the id, or the id less its random suffix), besides the ids themselves
+        (vllm-project/vllm#53095). O(held requests), only when an id is not held."""
         if self._renew_push_leases:
             paired = self._paired_held_requests(payload.split(","))
             if paired:
@@ -195,17 +148,9 @@ class NixlPushConnectorWorker:
 
 @add("F11", ">=0.24.0")
 class PushReleases:
-    """Releases a NIXL push producer received from decoders, on its writer thread.
-
-    A release names a decoder request that will never register (it finished
-    before it was scheduled). It is paired with the producer's requests as the
-    request's registration would have been: by the id, or else by the id without
-    its random suffix (``get_base_request_id``). One that pairs with no finished
-    request yet (the producer is still prefilling, or its finished blocks have
-    not reached the writer) is staged until such a request arrives, for at most
-    ``hold`` seconds. Each decoder request id is acted on once in that time: every
-    decoder rank sends the same release, and only the first may stage one.
-    """
+    """Releases of decoder requests that never register, paired as their registration
+    would be; one that pairs with nothing yet waits up to ``hold`` seconds, and each
+    decoder request id is acted on once (every decoder rank sends it)."""
 
     def __init__(self, hold: float) -> None:
         self.hold = hold
@@ -319,12 +264,9 @@ class NixlPushConnectorWorker:
 
     @call_at_end_of("start_load_kv")
     def _release_unregistered(self, metadata: NixlConnectorMetadata) -> None:
-        """A receive with no blocks and no registration in the same step is the
-        one request_finished stages for a request that finished before it was
-        scheduled: nothing will ever be pushed for it. Drop it here (upstream
-        keeps it in _recving_metadata for good; reporting it done would name a
-        request the scheduler no longer has) and tell the producer, from the
-        writer thread, that the prompt it holds for this request can go."""
+        """Drop the receive request_finished stages for a request that never
+        registers (no blocks, no registration this step), and release its prompt on
+        the producer."""
         queued = False
         for req_id, meta in metadata.reqs_to_recv.items():
             if req_id in metadata.push_registrations or any(meta.local_block_ids):
@@ -540,18 +482,9 @@ class NixlPushConnectorWorker:
 
 @add("F13", ">=0.24.0")
 class WriteHolds:
-    """Leases a NIXL push producer holds while a WRITE it posted reads the blocks.
-
-    A posted WRITE cannot be aborted (PR 56104 keeps a decoder's failed receive
-    for the same reason): until NIXL reports it done or failed, it may still read
-    the request's blocks, and blocks released by lease go back to the pool, where
-    the next prefill overwrites them while the decoder is sent them. A held
-    request's lease is moved to ``limit`` seconds from when its WRITE was first
-    seen in flight; when the WRITE ends (done: upstream releases the request at
-    once; failed) or the limit passes, the lease it had is put back, unless a
-    heartbeat renewed it past the hold meanwhile. Held entries move to the end of
-    the leases (up to v0.30 expiry stops at the first live lease in order).
-    """
+    """Leases held while a posted WRITE, which cannot be aborted, may still read the
+    blocks (vllm-project/vllm#58188): ``limit`` seconds from when it was first seen,
+    then the lease it had is back unless a heartbeat renewed it past the hold."""
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
@@ -562,10 +495,8 @@ class WriteHolds:
     def update(
         self, leases: dict[ReqId, float], writing: set[ReqId], now: float
     ) -> list[ReqId]:
-        """Hold in ``leases`` (``_reqs_to_send``) each request of ``writing`` (a
-        WRITE from its blocks is in flight), end the holds of the others, and
-        return the requests whose WRITE is still in flight when the limit passed
-        (their own lease is back: it releases them, now if it has run out)."""
+        """Hold in ``leases`` each request of ``writing``, end the other holds, and
+        return those still written to when the limit passed (their lease is back)."""
         held = self._held
         for req_id in [r for r in held if r not in leases]:
             del held[req_id]
@@ -596,11 +527,8 @@ class NixlPushConnectorWorker:
 
     @cached_property
     def _write_holds(self) -> "WriteHolds":
-        """The holds (kv_connector_extra_config["write_hold_limit"], seconds, 120
-        by default; 0: none, as upstream). The limit is what a WRITE that never
-        completes (NIXL reports neither done nor failed) costs: the prompt stays
-        held that long. Made on first use, so that workers built without
-        __init__ (tests) have it too."""
+        """The holds; kv_connector_extra_config["write_hold_limit"] seconds (120,
+        0: none), made on first use."""
         config = getattr(self, "kv_transfer_config", None)
         if config is None:
             return WriteHolds(120.0)
@@ -608,24 +536,9 @@ class NixlPushConnectorWorker:
 
     @filter_result_of("_get_new_notifs")
     def _hold_under_writes(self, notified: set[ReqId]) -> set[ReqId]:
-        """Hold each request a WRITE of this producer is reading past its lease.
-
-        Called where _get_new_notifs returns: get_finished (up to v0.29) and
-        get_transfer_results (from v0.30) call it right before the requests
-        whose lease has run out are released.
-
-        Invariant: a request is not released by lease while a WRITE posted from
-        its blocks is in flight (its handles are in _sending_transfers, not yet
-        reported done or failed), for at most write_hold_limit seconds. Upstream
-        reports a lease-expired request done sending even with its WRITE posted
-        ("Expired requests were already reported, even if their WRITEs finish
-        later"); the scheduler frees its blocks and the next prefill overwrites
-        them while the WRITE sends them to the decoder, which then decodes from
-        KV that is partly another prompt's. The lease runs out under a WRITE when
-        the WRITE is slow (a large prompt, a congested link) and no heartbeat
-        renews it (the decoder's step outlasts the lease extension, or its
-        heartbeats name an id the producer does not hold). Costs one pass over
-        the in-flight WRITEs per step."""
+        """No request is released by lease while a WRITE from its blocks is in flight
+        (in _sending_transfers), for at most write_hold_limit seconds. Runs where
+        _get_new_notifs returns, right before expired leases are released."""
         holds = self._write_holds
         if holds.limit <= 0:
             return notified
@@ -645,21 +558,9 @@ class NixlPushConnectorWorker:
 
 @add("F14", ">=0.24.0")
 class ParkedRegistrations:
-    """When decoder registrations expire, for a NIXL push worker's writer thread.
-
-    A registration names decoder blocks allocated for one request; the decoder
-    waits for their WRITE for ``timeout`` seconds (its push_registration_timeout)
-    and then gives up on it (a decoder that fails the request frees the blocks).
-    Past that, a WRITE into its blocks may overwrite another request's KV, so a
-    producer must neither serve nor keep it. The decoder says when that is: the
-    registration carries ``expires_at`` (wall-clock seconds, the clock both hosts
-    keep in step), set when its writer first sees it. The producer cannot time it
-    itself: its writer reads registrations only when it wakes, and an idle
-    producer's writer sleeps until its next request (seen in a real pair: a
-    registration read 22 s after it was sent, past a 20 s timeout). A
-    registration without ``expires_at`` (a decoder without the fix) expires
-    ``timeout`` after the producer read it.
-    """
+    """When decoder registrations expire: at the decoder's ``expires_at`` (wall clock;
+    an idle producer's writer reads registrations late, so it cannot time them), or
+    ``timeout`` after it was read when a registration carries none."""
 
     KEY = "expires_at"
 
@@ -713,11 +614,8 @@ class NixlPushConnectorWorker:
 
     @cached_property
     def _parked_registrations(self) -> "ParkedRegistrations | None":
-        """Writer thread: when registrations expire, or None when
-        kv_connector_extra_config["expire_push_registrations"] is false
-        (upstream: a registration is parked until a request pairs with it). The
-        timeout is push_registration_timeout (decoder_kv_blocks_ttl, 480 s, by
-        default), the decoder scheduler's watchdog."""
+        """Writer thread: when registrations expire (push_registration_timeout), or
+        None when kv_connector_extra_config["expire_push_registrations"] is false."""
         config = getattr(self, "kv_transfer_config", None)
         if config is None:
             return ParkedRegistrations(480.0)
@@ -768,20 +666,9 @@ class NixlPushConnectorWorker:
 
     @filter_call_in("_push_writer_loop", "self._finished_blocks_inbox.get_nowait")
     def _before_pairing(self, finished: tuple[str, Any]) -> tuple[str, Any]:
-        """Drop the expired registrations before the writer pairs a newly
-        finished request with one.
-
-        Invariant: no request's prompt is WRITTEN to a registration whose
-        decoder gave up on it. Upstream parks a registration no finished
-        request pairs with (a decode leg that arrives after the prompt was
-        released by lease, a decode leg with n > 1 for a prefill leg with
-        n = 1, a copy from a second decoder rank) in _pending_d_registrations
-        for good: its eviction is keyed by the producer's request id, the
-        registration by the decoder's. A later request with the same id less
-        its random suffix (a client that retries with the same X-Request-Id)
-        then pairs with the oldest such registration, and the producer WRITEs
-        into blocks the decoder freed when it gave up on them, while the
-        retry's own registration waits unserved."""
+        """No prompt is WRITTEN to a registration whose decoder gave up on it: drop
+        the expired ones before pairing a newly finished request (upstream parks
+        them for good, and a client's retry pairs with the oldest)."""
         if self._parked_registrations is not None:
             self._drop_expired_registrations(time.perf_counter())
         return finished
