@@ -17,7 +17,6 @@ The connector is one module up to v0.19 (``nixl/`` from v0.20).
 
 from __future__ import annotations
 
-
 from vllm_patches._overlay import amend
 
 
