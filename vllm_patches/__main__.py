@@ -6,9 +6,9 @@ import signal
 
 signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
-import sys  # noqa: E402
+import sys
 
-from vllm_patches._cli import main  # noqa: E402
+from vllm_patches._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -96,7 +96,8 @@ overlays (``tests/tool/test_series.py``) with F821 and F811 off for them.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 Definition = TypeVar("Definition")
 

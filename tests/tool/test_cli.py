@@ -432,18 +432,14 @@ def test_the_hint_after_a_no_commit_verb_restores_exactly_what_was_there(checkou
     round undid committed ones too). Each hint names the fixes, and running it restores
     exactly the state before."""
     assert run(capsys, "apply", "--fix", "F1,F4", str(checkout))[0] == EXIT_OK
-    assert run(capsys, "revert", "--no-commit", "--fix", "F4", str(checkout))[0] == EXIT_OK
-    code, _, err = run(capsys, "apply", str(checkout))
-    hint = f"`vllm-patches apply --no-commit --fix F4 {checkout}`"
-    assert code == EXIT_REFUSED and hint in err, err
-    assert run(capsys, *hint.strip("`").split()[1:])[0] == EXIT_OK
-    assert git(checkout, "status", "--porcelain") == ""
-    assert run(capsys, "apply", "--no-commit", "--fix", "F2", str(checkout))[0] == EXIT_OK
-    code, _, err = run(capsys, "revert", str(checkout))
-    hint = f"`vllm-patches revert --no-commit --fix F2 {checkout}`"
-    assert code == EXIT_REFUSED and hint in err, err
-    assert run(capsys, *hint.strip("`").split()[1:])[0] == EXIT_OK
-    assert git(checkout, "status", "--porcelain") == ""
+    # (the verb in the work tree only, then the committing one, whose hint undoes it)
+    for no_commit, committing, fix in (("revert", "apply", "F4"), ("apply", "revert", "F2")):
+        assert run(capsys, no_commit, "--no-commit", "--fix", fix, str(checkout))[0] == EXIT_OK
+        code, _, err = run(capsys, committing, str(checkout))
+        hint = f"`vllm-patches {committing} --no-commit --fix {fix} {checkout}`"
+        assert code == EXIT_REFUSED and hint in err, err
+        assert run(capsys, *hint.strip("`").split()[1:])[0] == EXIT_OK
+        assert git(checkout, "status", "--porcelain") == ""
     out = run(capsys, "status", str(checkout))[1]
     assert [line.split()[2] for line in out.splitlines()[1:6]] == [
         "applied", "applicable", "applicable", "applied", "applicable"]
