@@ -51,13 +51,17 @@ def _require_clean_for_commits(plan: Plan, verb: str) -> None:
         if plan.tree is None or not (uncommitted or reverted):
             raise Refused(f"{path}: uncommitted changes in files the series touches: "
                           f"{', '.join(plan.local_changes)}")
+        # The command that undoes exactly these (a plain --no-commit verb would also
+        # take the fixes committed, or never applied, with them).
         if uncommitted:
             raise Refused(f"{path}: {', '.join(uncommitted)} applied in the work tree but not "
                           f"committed (apply --no-commit); commit them with git, or undo them "
-                          f"with `vllm-patches revert --no-commit`, then {verb}")
+                          f"with `vllm-patches revert --no-commit --fix {','.join(uncommitted)} "
+                          f"{path}`, then {verb}")
         raise Refused(f"{path}: {', '.join(reverted)} reverted in the work tree but not "
                       f"committed (revert --no-commit); commit that with git, or restore them "
-                      f"with `vllm-patches apply --no-commit`, then {verb}")
+                      f"with `vllm-patches apply --no-commit --fix {','.join(reverted)} "
+                      f"{path}`, then {verb}")
     if plan.staged_elsewhere:
         raise Refused(f"{path}: the index has staged changes ({', '.join(plan.staged_elsewhere)}) "
                       f"that the commits of `{verb}` would take along: commit or unstage them "
@@ -71,6 +75,14 @@ def _require_known_tree(plan: Plan) -> Numbers:
                       f"{', '.join(plan.local_changes)}")
     _require_no_staged_touched(plan)
     return plan.tree
+
+
+def _require_writable(plan: Plan, todo: list[FixStatus], commit: bool) -> None:
+    """A read-only checkout is refused before the change: git would stop halfway."""
+    paths = sorted({path for s in todo if s.patch for path in s.patch.changes})
+    problem = plan.checkout.unwritable(paths, commits=commit)
+    if problem:
+        raise Refused(problem)
 
 
 def _require_no_conflict(todo: list[FixStatus], again: str) -> None:
@@ -131,6 +143,7 @@ def apply(plan: Plan, commit: bool, check: bool,
     _require_no_conflict(todo, again)
     if check or not todo:
         return todo, plan
+    _require_writable(plan, todo, commit)
     numbers = frozenset(plan.patches.index(s.patch) + 1 for s in todo if s.patch)
     if commit:
         plan.checkout.am([s.patch.path for s in todo if s.patch],
@@ -155,6 +168,7 @@ def revert(plan: Plan, commit: bool, check: bool) -> tuple[list[FixStatus], Plan
             and plan.patches.index(s.patch) + 1 in start]
     if check or not todo:
         return todo, plan
+    _require_writable(plan, todo, commit)
     steps = plan.undo[start]
     if len(steps) != len(todo):
         raise Refused(f"{plan.checkout.path}: git cannot undo "

@@ -12,6 +12,8 @@ or exactly as after it.
 
 from __future__ import annotations
 
+import os
+import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,6 +75,21 @@ class Checkout:
         if proc.returncode != 0:
             raise UserError(f"{given}: the repository has no commit yet")
         return cls(path, Path(lines[1]), (path / lines[2]).resolve(), lines[3])
+
+    def unwritable(self, paths: list[str], commits: bool) -> str | None:
+        """The first place a change of ``paths`` (with ``commits``, git's objects, refs and
+        index too) would find read-only, as a refusal; None when every one is writable.
+        Asked before anything changes: git would fail halfway, and so would its rollback."""
+        places = [self.git_dir, self.common_dir, self.common_dir / "objects"] if commits else []
+        for path in paths:
+            file = self.path / path
+            directory = next(d for d in file.parents if d.exists())
+            places += [directory, *([file] if file.exists() else [])]
+        for place in places:
+            if not os.access(place, os.W_OK):
+                return (f"{self.path}: read-only ({place} is not writable); nothing was "
+                        "changed: make the checkout writable, or copy it (git clone)")
+        return None
 
     def operation_in_progress(self) -> str | None:
         """The user's git operation under way here, as a refusal; None when there is none."""
@@ -174,6 +191,29 @@ class Checkout:
             _git.run(self.path, "update-ref", "-d", "ORIG_HEAD", check=False)
         else:
             _git.run(self.path, "update-ref", "--no-deref", "ORIG_HEAD", orig_head)
+
+
+def _is_vllm_tree(path: Path) -> bool:
+    """Whether ``path`` is the top of a vLLM source tree: its ``vllm`` package with the
+    version module, or a pyproject.toml naming the project vllm (a main clone)."""
+    if (path / "vllm" / "version.py").is_file() or (path / "vllm" / "_version.py").is_file():
+        return True
+    try:
+        with open(path / "pyproject.toml", "rb") as file:
+            return tomllib.load(file).get("project", {}).get("name") == "vllm"
+    except (OSError, ValueError):
+        return False
+
+
+def vllm_tree_around(start: Path) -> Path | None:
+    """The vLLM source tree ``start`` is in: ``start`` or the nearest directory above it,
+    up to the top of the git repository it is in; None outside one."""
+    for path in (start, *start.parents):
+        if _is_vllm_tree(path):
+            return path
+        if (path / ".git").exists():
+            return None
+    return None
 
 
 @contextmanager

@@ -45,6 +45,9 @@ from vllm_patches._errors import Refused, UserError
 from vllm_patches._words import count
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
+# Without a CHECKOUT, status, apply and revert work where the user is (``_resolve_checkout``).
+DEFAULT_CHECKOUT = ("default: the vLLM checkout the current directory is in, else "
+                    "./vllm-vX.Y.Z of the release")
 
 
 class _ReaderMayLeave:
@@ -159,18 +162,42 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_REFUSED if any(s.state in stopped for s in plan.statuses) else EXIT_OK
 
 
+def _resolve_checkout(args: argparse.Namespace) -> Path | None:
+    """Where the verb works, as an interruption names it (None: on no checkout). Without
+    a CHECKOUT, ``args.checkout`` becomes the vLLM checkout the current directory is in,
+    else ./vllm-vX.Y.Z of the release where it exists; else `apply` fetches it there
+    (``args.checkout`` stays None) and the other verbs refuse."""
+    if args.verb == "export":
+        return Path(args.onto) if args.onto else None
+    if not hasattr(args, "checkout"):
+        return None
+    if args.checkout is None:
+        from vllm_patches import _checkout, _series
+
+        release = args.release or _series.load().default_release
+        here = Path.cwd()
+        target = _checkout.vllm_tree_around(here) or here / f"vllm-v{release}"
+        if target.exists():
+            args.checkout = str(target)
+        elif args.verb == "apply":
+            return here  # nothing of it is changed until the fetched copy is patched
+        else:
+            raise UserError(f"no CHECKOUT given, and {here} is in no vLLM checkout and has no "
+                            f"vllm-v{release}: name one (`vllm-patches {args.verb} PATH`), or "
+                            f"fetch v{release} and apply the series there (`vllm-patches apply`)")
+    return Path(args.checkout)
+
+
 @contextmanager
 def _default_checkout(release) -> Iterator[Path]:
-    """A fresh working copy of the (default) release in the current directory, for the
-    block (`apply` without a checkout). A signal that ends the run before `apply` changed
-    it removes the copy this run made: the directory is there, patched, or not at all."""
+    """A fresh working copy of the (default) release in ./vllm-vX.Y.Z, for the block
+    (`apply` with no CHECKOUT, outside a vLLM checkout). A signal that ends the run before
+    `apply` changed it removes the copy this run made: the directory is there, patched,
+    or not at all."""
     from vllm_patches import _git, _releases, _series
 
     release = release or _series.load().default_release
     target = Path.cwd() / f"vllm-v{release}"
-    if target.exists():
-        yield target
-        return
     _series.load().require_covered(release)
     pristine = _releases.fetch(release)
     try:
@@ -413,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = verb("status", cmd_status, "per fix: applicable, applied, applied or reverted but "
                                      "not committed, upstream, not applicable, conflict, or "
                                      "blocked (requires a fix that conflicts or is not chosen)")
-    sub.add_argument("checkout")
+    sub.add_argument("checkout", nargs="?", help=f"a vLLM git checkout ({DEFAULT_CHECKOUT})")
     release_option(sub, help="the checkout's release, if it cannot be detected")
     sub.add_argument("--3way", dest="three_way", action="store_true",
                      help="judge as `apply --3way` would (git may merge where context differs)")
@@ -422,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = verb("apply", cmd_apply, "apply the series (or the --fix ones) for the checkout's "
                                    "release, all or nothing (finishes a half-applied series)")
     sub.add_argument("checkout", nargs="?",
-                     help="a vLLM git checkout (default: fetch the release into ./vllm-vX.Y.Z)")
+                     help=f"a vLLM git checkout ({DEFAULT_CHECKOUT}; where neither is, "
+                          "fetch the release into ./vllm-vX.Y.Z and apply there)")
     release_option(sub, help="the checkout's release (default: detected; without a checkout, "
                              "the default lane)")
     sub.add_argument("--check", action="store_true", help="only say whether it would apply")
@@ -434,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub = verb("revert", cmd_revert, "undo the applied fixes (or the --fix ones), all or "
                                      "nothing")
-    sub.add_argument("checkout")
+    sub.add_argument("checkout", nargs="?", help=f"a vLLM git checkout ({DEFAULT_CHECKOUT})")
     release_option(sub, help="the checkout's release, if it cannot be detected")
     sub.add_argument("--check", action="store_true", help="only say whether it would revert")
     sub.add_argument("--no-commit", action="store_true",
@@ -525,6 +553,7 @@ def _main(argv: list[str] | None) -> int:
     stdout, sys.stdout = sys.stdout, _ReaderMayLeave(sys.stdout)
     try:
         args = build_parser().parse_args(argv)
+        _interrupt.about(_resolve_checkout(args), args.verb)
         return args.func(args)
     except Refused as exc:
         print(f"vllm-patches: refused: {exc}", file=sys.stderr)

@@ -455,6 +455,9 @@ def _onto(series: Series, fix: Fix, release: Version | None, checkout: Checkout,
     if check:
         print(f"check passed: the series applies onto {checkout.path}")
         return 0
+    problem = checkout.unwritable(export.touched(), commits=True)
+    if problem:
+        raise Refused(problem)
     with tempfile.TemporaryDirectory() as scratch:
         written = _write(export, Path(scratch) / "series")
         checkout.am([path for path in written if path.suffix == ".patch"], contributor.env())

@@ -43,8 +43,13 @@ traceback and leave, by timing, a `git am` in progress with a stale `.git/index.
   raised again when the verb's work on the checkout has ended (``guard``), or the verb
   has (``_cli.main``), with the line true then (``raise_lost``).
 
-The window this cannot cover: the interpreter's start-up, before ``_cli.main`` installs
-the handlers (Python's own SIGINT handler raises ``KeyboardInterrupt`` there; SIGTERM
+- **Start-up holds a signal back**: the entry point's first statement (``__main__``)
+  blocks both signals; one that comes while the modules load or the arguments are read
+  waits in the kernel and is raised once the verb knows its checkout (``about``), with
+  the line that names it (a ``KeyboardInterrupt`` in an import was a traceback).
+
+The window this cannot cover: the interpreter's own start-up, before the entry point's
+first statement (Python's SIGINT handler raises ``KeyboardInterrupt`` there; SIGTERM
 kills). Nothing of the checkout has been read then.
 """
 
@@ -133,6 +138,7 @@ def handled(restore: bool) -> Iterator[None]:
     _run = _Run()
     hook, sys.unraisablehook = sys.unraisablehook, _keeping_lost_interruptions(
         sys.unraisablehook)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # as it is: blocked by the entry?
     before = {}
     try:
         try:
@@ -147,8 +153,17 @@ def handled(restore: bool) -> Iterator[None]:
         if restore:
             for signum, handler in before.items():
                 signal.signal(signum, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         elif before:
             signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+
+
+def about(path: Path | None, verb: str) -> None:
+    """The verb is known, and the checkout it works on (None: none): from here a signal
+    is raised where it lands, with a line that names the checkout; one held back since
+    the entry point's first statement is raised now."""
+    _run.checkout, _run.changed = (path, verb) if path is not None else None, False
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 def changed() -> bool:
@@ -199,6 +214,7 @@ def change() -> Iterator[None]:
 def guard(path: Path, verb: str) -> Iterator[None]:
     """The block is a writing verb on the checkout at ``path``: an interruption says
     whether the checkout was changed."""
+    before = _run.checkout
     _run.checkout, _run.changed = (path, verb), False
     try:
         yield
@@ -206,4 +222,4 @@ def guard(path: Path, verb: str) -> Iterator[None]:
         try:
             raise_lost()  # here, where its line can say what became of the checkout
         finally:
-            _run.checkout = None
+            _run.checkout = before

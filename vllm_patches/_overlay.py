@@ -70,7 +70,9 @@ that class, so a fix adds a step without replacing (and copying) a long method:
     receives as they are there. It costs nothing where the branch is not taken. For a
     case upstream's loop already singles out (F3 takes the notifications for requests
     the NIXL producer does not hold, where upstream logs them as invalid, unless they
-    are late). One rewrite with the call filters and redirects of the method.
+    are late). One rewrite with the call filters and redirects of the method. The one
+    hook that sees a loop's own state per item (upstream's test of which requests it
+    holds, what the loop released before): a filter before or after the loop cannot.
 
 Hooks of several fixes on one method compose in series order, the later fix's
 outside.
@@ -82,13 +84,20 @@ splice adds to the upstream module those it lacks and the spliced code uses.
 
 The markers only record facts (they return their argument unchanged), so an overlay
 module imports cleanly, and its functions can be installed onto the live upstream
-classes. Overlay code must therefore not use zero-argument ``super()``, and every
-global name it uses must resolve in the upstream module once the imports are added.
+classes. Zero-argument ``super()`` works in both (the runtime points the ``__class__``
+cell at the live class, ``_install``), and upstream's ruff asks for it (UP008). Every
+global name the code uses must resolve in the upstream module once the imports are
+added: overlays use upstream's own names (``logger``) unimported.
+
+Checked: the splice refuses what breaks these rules, on every covered release (regen),
+and checks each spliced file's names (``_patches.check_names``); ruff lints the
+overlays (``tests/tool/test_series.py``) with F821 and F811 off for them.
 """
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 Definition = TypeVar("Definition")
 

@@ -153,6 +153,23 @@ def check_formatted(tree: Path, upstream_path: str, source: str, upstream: str) 
         )
 
 
+def _undefined(tree: Path, upstream_path: str, source: str) -> set[str]:
+    """The names ruff finds undefined in ``source`` (F821, ``tree``'s config)."""
+    proc = _ruff(tree, upstream_path, source, "check", "--select", "F821", "--exit-zero",
+                 "--output-format", "concise", "--quiet")
+    return {line.split("`")[1] for line in proc.stdout.splitlines() if line.count("`") >= 2}
+
+
+def check_names(tree: Path, upstream_path: str, source: str, upstream: str) -> None:
+    """Every global name the spliced code uses resolves in the upstream module (overlays
+    use upstream's own names unimported: ``_overlay``); names upstream leaves undefined
+    already are not the splice's."""
+    names = _undefined(tree, upstream_path, source) - _undefined(tree, upstream_path, upstream)
+    if names:
+        raise UserError(f"spliced {upstream_path} ({tree}) uses {', '.join(sorted(names))}, "
+                        "which neither the upstream module nor the overlay's imports define")
+
+
 def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]:
     """The patches of ``release``, generated from the overlays against ``tree``.
 
@@ -174,8 +191,9 @@ def generate(series: Series, release: Version, tree: Path) -> list[ReleasePatch]
             for upstream_path, source in sources.items():
                 if written.get(upstream_path) == source:
                     continue  # checked and written for an earlier fix
-                check_formatted(tree, upstream_path, source,
-                                _git.file_at(tree, base, upstream_path) or "")
+                upstream = _git.file_at(tree, base, upstream_path) or ""
+                check_formatted(tree, upstream_path, source, upstream)
+                check_names(tree, upstream_path, source, upstream)
                 commits.write(upstream_path, source)
                 written[upstream_path] = source
             if not commits.changed():

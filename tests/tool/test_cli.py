@@ -1,6 +1,9 @@
 """The vllm-patches verbs on a real vLLM v0.21.0 checkout: what they do, and that
 every refusal leaves the checkout exactly as it was."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -380,3 +383,69 @@ def test_fetch_from_an_existing_checkout(tmp_path, checkout, capsys, monkeypatch
     assert git(cached, "rev-parse", "HEAD") == git(checkout, "rev-parse", "v0.21.0")
     code, _, err = run(capsys, "fetch", "v0.22.0", "--from", str(checkout))
     assert code == EXIT_BAD_INPUT and "has no tag v0.22.0" in err
+
+
+def test_without_a_checkout_the_verbs_work_on_the_one_they_run_in(checkout, capsys,
+                                                                  monkeypatch):
+    """`apply` run inside one's own vLLM checkout, with no CHECKOUT, fetched v0.21.0 into
+    a subfolder of it and patched that. Now status, apply and revert work on the checkout
+    the current directory is in, wherever in it."""
+    base = git(checkout, "rev-parse", "HEAD").strip()
+    monkeypatch.chdir(checkout / "vllm" / "v1")
+    code, out, _ = run(capsys, "status")
+    assert code == EXIT_OK and out.startswith(f"{checkout}: vLLM v0.21.0\n")
+    code, out, _ = run(capsys, "apply")
+    assert code == EXIT_OK and out.startswith(f"{checkout}: vLLM v0.21.0\n") and "done: " in out
+    assert git(checkout, "status", "--porcelain", "--untracked-files=all") == ""  # no fetch
+    assert run(capsys, "revert")[0] == EXIT_OK
+    assert git(checkout, "diff", base, "HEAD") == ""
+
+
+def test_without_a_checkout_outside_one_status_names_what_to_do(tmp_path, capsys,
+                                                                monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for verb in ("status", "revert"):
+        code, out, err = run(capsys, verb)
+        assert code == EXIT_BAD_INPUT and out == "" and len(err.splitlines()) == 1
+        assert f"{tmp_path} is in no vLLM checkout" in err and "`vllm-patches apply`" in err
+
+
+def test_a_read_only_checkout_is_refused_before_anything_changes(checkout, tmp_path):
+    """A read-only checkout was refused with "git reset failed" (git am failed, and then
+    its rollback). The run, in a mount namespace where the checkout is read-only (as
+    root, whom file modes do not stop) or with the write bits cleared."""
+    before = snapshot(checkout)
+    command = [sys.executable, "-m", "vllm_patches", "apply", str(checkout)]
+    if os.getuid() == 0:
+        command = ["unshare", "--mount", "sh", "-c", 'mount --bind -o ro "$0" "$0" && '
+                   'exec "$@"', str(checkout), *command]
+    else:
+        subprocess.run(["chmod", "-R", "a-w", str(checkout)], check=True)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(_series.REPO_DIR)})
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(checkout)], check=True)
+    assert proc.returncode == EXIT_REFUSED, proc.stderr
+    assert proc.stderr.startswith(f"vllm-patches: refused: {checkout}: read-only (")
+    assert "nothing was changed" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert snapshot(checkout) == before
+
+
+def test_the_hint_after_a_no_commit_verb_restores_exactly_what_was_there(checkout, capsys):
+    """After `revert --no-commit`, the refusal's hint was `apply --no-commit`, which also
+    applied fixes that had never been there (and `revert --no-commit` the other way
+    round undid committed ones too). Each hint names the fixes, and running it restores
+    exactly the state before."""
+    assert run(capsys, "apply", "--fix", "F1,F4", str(checkout))[0] == EXIT_OK
+    # (the verb in the work tree only, then the committing one, whose hint undoes it)
+    for no_commit, committing, fix in (("revert", "apply", "F4"), ("apply", "revert", "F2")):
+        assert run(capsys, no_commit, "--no-commit", "--fix", fix, str(checkout))[0] == EXIT_OK
+        code, _, err = run(capsys, committing, str(checkout))
+        hint = f"`vllm-patches {committing} --no-commit --fix {fix} {checkout}`"
+        assert code == EXIT_REFUSED and hint in err, err
+        assert run(capsys, *hint.strip("`").split()[1:])[0] == EXIT_OK
+        assert git(checkout, "status", "--porcelain") == ""
+    out = run(capsys, "status", str(checkout))[1]
+    assert [line.split()[2] for line in out.splitlines()[1:6]] == [
+        "applied", "applicable", "applicable", "applied", "applicable"]

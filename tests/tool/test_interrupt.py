@@ -10,8 +10,9 @@ that the checkout ends exactly as before the run or exactly as after it, with on
 on stderr and exit 130 (SIGINT) or 143 (SIGTERM), or 0 where the run ended first.
 
 No timed assertion: the delays only choose where the signal lands; every outcome is
-judged by what it is. A trial counts from the moment the run installed its handlers
-(seen in ``/proc/PID/status``; on code without handlers, from its first child).
+judged by what it is. A trial counts from the entry point's first statement, which holds
+the signals back (seen in ``/proc/PID/status``; on code without it, from the handlers or
+the first child).
 """
 
 import os
@@ -22,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import git
+from conftest import git, snapshot
 from packaging.version import Version
 
 from vllm_patches import _series
@@ -43,23 +44,26 @@ _HANDLED = 1 << (signal.SIGTERM - 1)  # bit of SIGTERM in /proc/PID/status SigCg
 
 
 def _ready(pid: int) -> bool:
-    """Whether the run installed its signal handlers (Python's own handles SIGINT
-    only), or, on code that installs none, started its first child."""
+    """Whether the run's own code started: it holds SIGTERM back or handles it (Python's
+    own handler is SIGINT's only), or, on code that does neither, started its first
+    child."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text()
     except OSError:
         return True  # gone: it ended
-    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(int(caught.split()[1], 16) & _HANDLED) or bool(children.strip())
+    masks = [int(line.split()[1], 16) for line in status.splitlines()
+             if line.startswith(("SigBlk:", "SigCgt:"))]
+    return any(mask & _HANDLED for mask in masks) or bool(children.strip())
 
 
-def start(*argv: str, cwd: Path | None = None) -> tuple[subprocess.Popen, float]:
+def start(*argv: str, cwd: Path | None = None, preexec_fn=None) -> tuple[subprocess.Popen,
+                                                                           float]:
     """The verb running in a session of its own (so that signalling its group spares
     pytest), and when it became ready."""
     proc = subprocess.Popen([sys.executable, "-m", "vllm_patches", *argv], env=ENV, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=preexec_fn)
     while not _ready(proc.pid):
         time.sleep(0.001)
     return proc, time.monotonic()
@@ -206,6 +210,52 @@ def test_apply_without_a_checkout_leaves_its_clone_whole_or_none(tmp_path):
         if problems:
             failures.append(f"{which}: " + "; ".join(problems))
     assert not failures, f"{len(failures)} of {CLONE_TRIALS} trials:\n" + "\n".join(failures)
+
+
+# `apply --check` runs, each with a SIGINT to its group at an instant of its own.
+CHECK_TRIALS = 50
+
+
+def test_a_signal_at_any_instant_from_start_up_on_is_one_line_naming_the_checkout(checkout):
+    """A SIGINT that came while the modules loaded was a traceback, and one before the
+    checkout was opened a line that did not name it. `apply --check` with no CHECKOUT,
+    in the checkout (which it then works on), signalled from its first statement on,
+    ends either on its own or with the line, exit 130; it changes nothing."""
+    before = snapshot(checkout)
+    proc, ready = start("apply", "--check", cwd=checkout)
+    out, err = proc.communicate(timeout=120)
+    duration = time.monotonic() - ready
+    assert proc.returncode == 0 and "check passed" in out, (out, err)
+    line = f"vllm-patches: interrupted (SIGINT); nothing was changed in {checkout}\n"
+    failures, stopped = [], 0
+    for trial in range(CHECK_TRIALS):
+        delay = duration * 1.1 * ((trial * 0.618034) % 1)
+        proc, ready = start("apply", "--check", cwd=checkout)
+        time.sleep(max(0.0, ready + delay - time.monotonic()))
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        stopped += proc.returncode == 130
+        if "Traceback" in err or (proc.returncode, err) not in ((0, ""), (130, line)):
+            failures.append(f"at {delay:.3f} s: exit {proc.returncode}, {err[-300:]!r}")
+    assert not failures, f"{len(failures)} of {CHECK_TRIALS}:\n" + "\n".join(failures)
+    assert stopped, "no trial was interrupted: the signals all came after the end"
+    assert snapshot(checkout) == before
+
+
+def _signal_pending_at_exec() -> None:
+    """In the child before exec: a SIGINT that comes before the interpreter runs any of
+    the package (held back, as the entry point holds it, so that it stays pending)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_signal_held_back_at_start_up_is_raised_naming_the_checkout(checkout):
+    before = snapshot(checkout)
+    proc, _ = start("status", str(checkout), preexec_fn=_signal_pending_at_exec)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out, err) == (
+        130, "", f"vllm-patches: interrupted (SIGINT); nothing was changed in {checkout}\n")
+    assert snapshot(checkout) == before
 
 
 def test_a_signal_waits_for_a_change_and_then_says_it_is_complete(tmp_path):

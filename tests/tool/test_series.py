@@ -1,6 +1,8 @@
 """The series metadata is data; these checks keep it true to the overlays and patches."""
 
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,6 +80,16 @@ def test_series_tests_exist_belong_to_no_fix_and_apply_on_a_lane():
     assert whole.stock_fails and all(n.split("::")[0] in whole.tests for n in whole.stock_fails)
     assert not {t for fix in FIXES for t in fix.tests} & set(whole.tests)
     assert any(whole.applies(lane) for lane in _series.load().lanes)
+
+
+def test_overlays_pass_ruff_check():
+    """Overlays are linted as the tool's code is, with what the overlay spec allows them
+    (``_overlay``; pyproject.toml's per-file-ignores): upstream's names unimported, a
+    class written once per fix and range. An unused import or a bug ruff sees fails."""
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--quiet",
+                           *map(str, overlay_files())], cwd=REPO, capture_output=True,
+                          text=True, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
 @pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)

@@ -8,7 +8,6 @@ written under ``nixl/`` (``into=``), but for F2's per-release notification count
 
 from __future__ import annotations
 
-
 from vllm_patches._overlay import amend
 
 

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     ReqId,
 )
+
 from vllm_patches._overlay import (
     amend,
     call_at_end_of,

@@ -16,6 +16,7 @@ from collections.abc import Set as AbstractSet
 from functools import cached_property
 
 from vllm import envs
+
 from vllm_patches._overlay import add, amend, call_at_end_of, filter_result_of
 
 

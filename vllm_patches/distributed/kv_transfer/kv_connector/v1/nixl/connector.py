@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import PromptReads, PromptWrites
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
 from vllm_patches._overlay import amend, call_at_end_of, redirect_call_in
 
 if TYPE_CHECKING:

@@ -153,8 +153,7 @@ class NixlPullConnectorWorker:
             if expiry is None:
                 continue
             for sibling in siblings.others(req_id, leases):
-                if leases[sibling] < expiry:
-                    leases[sibling] = expiry
+                leases[sibling] = max(leases[sibling], expiry)
 
 
 @amend("F3", ">=0.24.0")
