@@ -48,7 +48,7 @@ KNOWN_BAD = (
         what="vLLM never becomes ready at startup (the API server never listens): the "
              "coordinator sets kvcached up with world_size=1, and the background prealloc "
              "thread races the first null-block allocation",
-        reference="kvcached issue 339, PRs 340 and 341",
+        reference="ovg-project/kvcached#339, PRs #340 and #341",
     ),
 )
 

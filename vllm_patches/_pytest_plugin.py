@@ -1,4 +1,4 @@
-"""pytest plugin for runtime mode: load vLLM's general plugins when the session starts.
+"""pytest plugin for runtime mode: load vLLM's general plugins when pytest starts.
 
 ``python -m pytest -p vllm_patches._pytest_plugin ...`` in an environment where this
 package is installed (so its ``vllm.general_plugins`` entry point is registered) runs

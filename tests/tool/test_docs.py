@@ -15,7 +15,8 @@ from vllm_patches import _series
 REPO = _series.REPO_DIR
 SERIES = _series.load()
 # Project files a reader meets; patches/ is generated from the overlays' metadata.
-CHECKED = ["README.md", "CONTRIBUTING.md", "docs", "tests", "tools", "benchmarks", ".ci"]
+CHECKED = ["README.md", "CONTRIBUTING.md", "docs", "tests", "tools", "benchmarks", ".ci",
+           "vllm_patches"]
 SUFFIXES = {".md", ".py", ".sh", ".toml", ".txt", ""}
 # This project's tracker and work log. An upstream reference names its repository or a
 # link ("vllm#33775", "upstream issue #58222", ".../issues/42632") and is not matched.
