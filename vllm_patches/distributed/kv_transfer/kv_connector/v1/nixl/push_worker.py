@@ -12,6 +12,11 @@ NIXL push mode (v0.24+), worker side:
 - F13 (producer): no lease releases blocks a WRITE is reading (``WriteHolds``).
 - F14 (both): a registration past its decoder's timeout is dropped
   (``ParkedRegistrations``).
+- F18 (producer side, v0.30.0; upstream since v0.31.0): a request each of whose
+  WRITEs completed is reported done sending in the poll that sees it, where
+  upstream reported only requests it receives for, so every pushed prompt was held
+  until its lease. A request with a failed WRITE (posted or not) is not reported,
+  even when a sibling WRITE completes later: its lease releases it.
 """
 
 import heapq
@@ -21,6 +26,12 @@ from concurrent.futures import Future
 from functools import cached_property
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+    NixlBaseConnectorWorker,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     ReqId,
@@ -688,3 +699,82 @@ class NixlPushConnectorWorker:
             "producer paired with it.",
             req_id,
         )
+
+
+@amend("F18", ">=0.30.0")
+class NixlPushConnectorWorker:
+    """F18: a push whose every WRITE completed is reported done sending."""
+
+    @cached_property
+    def _push_failures(self) -> set[ReqId]:
+        """Requests with a WRITE that failed, posted or not, until none of their
+        WRITEs is in flight or they were released. Read and written under
+        _sending_transfers_lock (the writer thread adds to it)."""
+        return set()
+
+    @cached_property
+    def _completed_pushes(self) -> set[ReqId]:
+        """Engine thread: the requests whose every WRITE completed in the running
+        get_transfer_results, for it to report done sending."""
+        return set()
+
+    def _pop_done_transfers(
+        self, transfers: dict[str, list[int]]
+    ) -> tuple[set[str], set[str]]:
+        """The base poll; of the push WRITEs (_sending_transfers, polled under
+        its lock), note each held request whose WRITEs all completed.
+
+        A request released already (its lease ran out) is not noted: it was
+        reported once. One with a failed WRITE, in this poll or an earlier one,
+        is not noted either: a failed push must not be reported done, and a
+        sibling WRITE (one per decoder rank) may complete after it failed."""
+        done, failed = NixlBaseConnectorWorker._pop_done_transfers(self, transfers)
+        if transfers is not self._sending_transfers:
+            return done, failed
+        failures = self._push_failures
+        failures |= failed
+        held = self._reqs_to_send.keys() | self._reqs_to_process
+        self._completed_pushes.update((done - failures) & held)
+        failures -= done
+        return done, failed
+
+    @filter_result_of("get_transfer_results")
+    def _report_completed_pushes(
+        self, results: KVConnectorTransferResults
+    ) -> KVConnectorTransferResults:
+        """Report done sending the requests whose push completed in this call,
+        as upstream does for a request it is done with (its lease and
+        notification count dropped, the writer told to forget it).
+
+        Invariant: a producer's request whose every WRITE completed, none
+        failed, is reported done sending in the get_transfer_results call
+        whose poll sees it, and its blocks are freed. Upstream reports a
+        completed WRITE only for a request in _recving_metadata, which holds
+        what this worker receives, never what it pushes: every pushed prompt
+        was held until its lease ran out ("Releasing expired KV blocks ...
+        retrieved by 0 remote worker(s)")."""
+        completed = self._completed_pushes
+        finished = results.finished_sending
+        for req_id in completed:
+            self._reqs_to_send.pop(req_id, None)
+            self._reqs_to_process.discard(req_id)
+            self.consumer_notification_counts_by_req.pop(req_id, None)
+            finished.add(req_id)
+            self._evict_finished_inbox.put(req_id)
+        if completed:
+            completed.clear()
+            self._push_writer_wake.set()
+        if finished:
+            # A request released with a WRITE still in flight is never reported
+            # again: forget its failure.
+            with self._sending_transfers_lock:
+                self._push_failures.difference_update(finished)
+        return results
+
+    @redirect_call_in("_xfer_blocks", "self._handle_failed_transfer")
+    def _note_failed_submission(self, request_id: str, handle: int | None) -> bool:
+        """Writer thread: a WRITE that could not be posted is a failed push,
+        even when the request's other WRITEs are posted and complete."""
+        with self._sending_transfers_lock:
+            self._push_failures.add(request_id)
+        return self._handle_failed_transfer(request_id, handle)
