@@ -14,6 +14,8 @@ NIXL producer (prefill) release path, vllm PR 43509:
 - F8 (KV leases, from v0.22): a heartbeat entry that marks a READ as posted holds
   the request past its lease until the READ's own notification releases it, or
   a limit passes; the decode side sends the mark (``nixl/pull_worker.py``).
+- F17 (v0.22 - v0.30): the lease expiry releases every lease that has run out,
+  also behind one a heartbeat or a hold renewed (vllm#58222, fixed in v0.31).
 
 From v0.24 the producer state lives here and the pull-specific methods
 (``start_load_kv``, ``_get_new_notifs``) in ``nixl/pull_worker.py``.
@@ -28,7 +30,13 @@ from collections.abc import Set as AbstractSet
 from functools import cached_property
 
 from vllm import envs
-from vllm_patches._overlay import add, amend, call_at_end_of, filter_result_of
+from vllm_patches._overlay import (
+    add,
+    amend,
+    call_at_end_of,
+    filter_call_in,
+    filter_result_of,
+)
 
 
 @amend("F2", ">=0.24.0")
@@ -225,6 +233,51 @@ class NixlBaseConnectorWorker:
                     req_id,
                     self._read_hold_limit,
                 )
+
+
+@amend("F17", ">=0.24.0")
+@amend("F17", ">=0.22.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+class NixlBaseConnectorWorker:
+    """F17: every lease that has run out is released, wherever it sits (v0.22 -
+    v0.30; upstream scans every lease from v0.31, vllm#58222)."""
+
+    def _expired_leases_first(self, now: float) -> float:
+        """Move the leases of ``_reqs_to_send`` that have run out by ``now`` ahead of
+        the live ones, each group in its own order; return ``now``.
+
+        Invariant: the lease expiry, which releases leases in the dict's order and
+        stops at the first live one, releases every lease that has run out by
+        ``now``. Heartbeats and holds renew a lease in place, so a renewed request
+        registered first kept every lease behind it, run out or not, held. Costs
+        one ``min`` over the leases per step; the move, O(leases), only in a step
+        where some lease has run out."""
+        leases = self._reqs_to_send
+        if not leases or now < min(leases.values()):
+            return now
+        for req_id in [req_id for req_id, expires in leases.items() if now < expires]:
+            leases[req_id] = leases.pop(req_id)
+        return now
+
+
+@amend("F17", ">=0.24.0,<0.30.0")
+@amend("F17", ">=0.22.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+class NixlBaseConnectorWorker:
+    """F17: the expiry inside get_finished (v0.22 - v0.29)."""
+
+    @filter_call_in("get_finished", "time.perf_counter")
+    def _reap_every_expired_lease(self, now: float) -> float:
+        """The clock reading the lease expiry uses, with the expired leases first."""
+        return self._expired_leases_first(now)
+
+
+@amend("F17", ">=0.30.0")
+class NixlBaseConnectorWorker:
+    """F17: the expiry inside get_transfer_results (v0.30)."""
+
+    @filter_call_in("get_transfer_results", "time.perf_counter")
+    def _reap_every_expired_lease(self, now: float) -> float:
+        """The clock reading the lease expiry uses, with the expired leases first."""
+        return self._expired_leases_first(now)
 
 
 @amend("F3", ">=0.24.0")
