@@ -243,14 +243,10 @@ class NixlBaseConnectorWorker:
 
     def _expired_leases_first(self, now: float) -> float:
         """Move the leases of ``_reqs_to_send`` that have run out by ``now`` ahead of
-        the live ones, each group in its own order; return ``now``.
-
-        Invariant: the lease expiry, which releases leases in the dict's order and
-        stops at the first live one, releases every lease that has run out by
-        ``now``. Heartbeats and holds renew a lease in place, so a renewed request
-        registered first kept every lease behind it, run out or not, held. Costs
-        one ``min`` over the leases per step; the move, O(leases), only in a step
-        where some lease has run out."""
+        the live ones, each group in its order, so that the lease expiry, which stops
+        at the first live lease, releases all of them; return ``now``."""
+        # Heartbeats and holds renew a lease in place: the dict's order is not the
+        # expiry order. One min() per step; the O(leases) move only when one ran out.
         leases = self._reqs_to_send
         if not leases or now < min(leases.values()):
             return now
