@@ -619,13 +619,17 @@ def _hook_into(cls: type, name: str, member: _Member, call_filters: CallFilters)
 
     kind, target = HOOK_KINDS[member.hook[0]], member.hook[1]  # type: ignore[index]
     method = member.name
+    # From the method as it is now: an earlier fix may have replaced it. The first hook
+    # of the method, whatever its kind, applies every call rewrite of it (a later fix's
+    # too): they recompile upstream's own function, which a wrapper would hide.
+    filters = call_filters.pop((name, target), None)
     if isinstance(kind, CallRewrite):
-        filters = call_filters.pop((name, target), None)
         if filters is None:
-            return  # the method's first call filter applied this one with its own
-        # From the method as it is now: an earlier fix may have replaced it.
+            return  # the method's first hook applied this one with its own
         wrapper = _filter_calls_in(cls, target, filters, "")
     else:
+        if filters is not None:
+            setattr(cls, target, _filter_calls_in(cls, target, filters, ""))
         wrapper = kind.wrap(cls.__dict__[target], method, member.hook_parameters)
     setattr(wrapper, HOOK_WRAPPER_ATTR, method)
     setattr(cls, target, wrapper)

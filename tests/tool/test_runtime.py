@@ -351,6 +351,37 @@ def test_call_filters_of_two_fixes_compose_in_one_recompile(fake):
     assert module.Worker.notifs.__wrapped__ is recompiled, "one recompile, under F1's wrapper"
 
 
+RESULT_FILTER_THEN_CALL_FILTER = '''\
+from vllm_patches._overlay import amend, filter_call_in, filter_result_of
+
+
+@amend("F1", ">=0.18")
+class Worker:
+    @filter_result_of("notifs")
+    def _with_z(self, found):
+        return found | {"z"}
+
+
+@amend("F2", ">=0.18")
+class Worker:
+    @filter_call_in("notifs", "self.agent.poll")
+    def _drop_b(self, notifs):
+        return {agent: [m for m in messages if m != "b"] for agent, messages in notifs.items()}
+'''
+
+
+def test_a_later_fix_filters_calls_in_a_method_an_earlier_fix_wrapped(fake):
+    """The recompile goes in under the earlier fix's wrapper (the lease expiry of
+    NIXL's get_finished: an early fix filters its result, a later one its clock)."""
+    fake.module("core.worker", POLLING)
+    fake.overlay("core/worker.py", RESULT_FILTER_THEN_CALL_FILTER)
+    states = fake.install([make_fix("F1", ["core/worker.py"]), make_fix("F2", ["core/worker.py"])])
+    assert [s.state for s in states] == [_runtime.ACTIVE, _runtime.ACTIVE]
+    module = fake.get("core.worker")
+    assert module.Worker().notifs(extra=["x"]) == {"a", "x", "z"}
+    assert "_drop_b" in module.Worker.notifs.__wrapped__.__code__.co_names
+
+
 def test_call_rewrites_of_one_method_are_all_installed(fake):
     """A redirect and a filter in one method: one recompile holds both."""
     fake.module("core.worker", POLLING)

@@ -5,6 +5,8 @@
 NIXL producer (prefill) release path (vllm-project/vllm#43509): F2 releases
 parallel-sampling siblings together (``BestOfSiblings``), F3 stages notifications
 that race registration (``EarlyPullNotifications``), F8 holds a prompt under a READ.
+F17 (v0.22 - v0.30) lets the lease expiry release every lease that ran out, also
+behind one renewed or held (vllm-project/vllm#58222, fixed in v0.31).
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from functools import cached_property
 
 from vllm import envs
 
-from vllm_patches._overlay import add, amend, call_at_end_of, filter_result_of
+from vllm_patches._overlay import (
+    add,
+    amend,
+    call_at_end_of,
+    filter_call_in,
+    filter_result_of,
+)
 
 
 @amend("F2", ">=0.24.0")
@@ -183,6 +191,47 @@ class NixlBaseConnectorWorker:
                     req_id,
                     self._read_hold_limit,
                 )
+
+
+@amend("F17", ">=0.24.0")
+@amend("F17", ">=0.22.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+class NixlBaseConnectorWorker:
+    """F17: every lease that has run out is released, wherever it sits (v0.22 -
+    v0.30; upstream scans every lease from v0.31, vllm#58222)."""
+
+    def _expired_leases_first(self, now: float) -> float:
+        """Move the leases of ``_reqs_to_send`` that have run out by ``now`` ahead of
+        the live ones, each group in its order, so that the lease expiry, which stops
+        at the first live lease, releases all of them; return ``now``."""
+        # Heartbeats and holds renew a lease in place: the dict's order is not the
+        # expiry order. One min() per step; the O(leases) move only when one ran out.
+        leases = self._reqs_to_send
+        if not leases or now < min(leases.values()):
+            return now
+        for req_id in [req_id for req_id, expires in leases.items() if now < expires]:
+            leases[req_id] = leases.pop(req_id)
+        return now
+
+
+@amend("F17", ">=0.24.0,<0.30.0")
+@amend("F17", ">=0.22.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+class NixlBaseConnectorWorker:
+    """F17: the expiry inside get_finished (v0.22 - v0.29)."""
+
+    @filter_call_in("get_finished", "time.perf_counter")
+    def _reap_every_expired_lease(self, now: float) -> float:
+        """The clock reading the lease expiry uses, with the expired leases first."""
+        return self._expired_leases_first(now)
+
+
+@amend("F17", ">=0.30.0")
+class NixlBaseConnectorWorker:
+    """F17: the expiry inside get_transfer_results (v0.30)."""
+
+    @filter_call_in("get_transfer_results", "time.perf_counter")
+    def _reap_every_expired_lease(self, now: float) -> float:
+        """The clock reading the lease expiry uses, with the expired leases first."""
+        return self._expired_leases_first(now)
 
 
 @amend("F3", ">=0.24.0")
