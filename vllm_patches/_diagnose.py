@@ -5,8 +5,7 @@ means (wrong answers, capacity, a crash, a late start-up) and the fixes that rem
 fix's slug, releases and ``upstream_since`` come from its own metadata. It is one file,
 not a ``[[symptoms]]`` table in each fix's TOML, because a symptom is not one fix's: the
 same pair of producer lines is removed by F6, F7 or F8 depending on what held the decoder,
-the kvcached hang belongs to no fix, and a fix added later (F17) is named before its
-metadata exists. Here is the mechanism: reading logs (files, ``-`` for stdin, gzip),
+the kvcached hang belongs to no fix. Here is the mechanism: reading logs (files, ``-`` for stdin, gzip),
 kubectl's prefixes, one engine per log or per kubectl pod, and a rule per symptom that
 correlates its lines (pairs, order, siblings, times). An unknown line is no finding.
 """
@@ -360,13 +359,12 @@ RULES = {rule.__name__: rule for rule in (
 
 @dataclass(frozen=True)
 class FixRef:
-    """A fix a symptom names: from the series' metadata, or only its id and the
-    symptom's ``fallback`` while the series lacks it."""
+    """A fix a symptom names, from the series' metadata."""
 
     id: str
     slug: str
     option: str
-    fix: Fix | None
+    fix: Fix
 
     def on(self, engine: Engine) -> dict:
         """The fix in ``engine``: active there (None: the log does not say), needed on its
@@ -375,9 +373,6 @@ class FixRef:
         state = {"id": self.id, "slug": self.slug, "option": self.option or None,
                  "active": None if active is None else self.id in active,
                  "upstream_since": None, "on_release": None}
-        if self.fix is None:
-            state["on_release"] = "not in this vllm-patches"
-            return state
         if self.fix.upstream_since:
             state["upstream_since"] = f"v{self.fix.upstream_since}"
         if engine.version is not None:
@@ -407,11 +402,9 @@ def load_symptoms() -> tuple[dict[str, re.Pattern], list[Symptom]]:
     for entry in data["symptom"]:
         refs, ranges = [], []
         for fix_id in entry["fixes"]:
-            fix = fixes.get(fix_id)
-            fallback = entry.get("fallback", {})
-            refs.append(FixRef(fix_id, fix.slug if fix else fallback["slug"],
-                               entry["options"][fix_id], fix))
-            ranges.append(fix.describe_needed() if fix else fallback["releases"])
+            fix = fixes[fix_id]
+            refs.append(FixRef(fix_id, fix.slug, entry["options"][fix_id], fix))
+            ranges.append(fix.describe_needed())
         symptoms.append(Symptom(entry["id"], entry["rule"], entry["text"], entry["harm"],
                                 entry["why"], tuple(refs),
                                 tuple(specifier_set(text) for text in ranges),

@@ -40,11 +40,10 @@ class Change:
 @dataclass(frozen=True)
 class Sweep:
     changes: tuple[Change, ...]
-    pending: dict[str, str]  # fix id -> slug: backports being written, not yet in the series
     coverage: str  # what the sweep read, and what it did not
 
 
-def _check(change: Change, series: Series, pending: dict[str, str]) -> None:
+def _check(change: Change, series: Series) -> None:
     where = f"{DATA.name}: {change.upstream}"
     if change.kind not in KINDS:
         raise ValueError(f"{where}: kind is one of {', '.join(KINDS)}, not {change.kind!r}")
@@ -56,8 +55,8 @@ def _check(change: Change, series: Series, pending: dict[str, str]) -> None:
         raise ValueError(f"{where}: affected {change.affected!r} holds no covered release")
     if change.since not in series.covered or max(affected) >= change.since:
         raise ValueError(f"{where}: since must be a covered release after every affected one")
-    if change.fix and change.fix not in series.ids and change.fix not in pending:
-        raise ValueError(f"{where}: fix {change.fix} is neither in the series nor pending")
+    if change.fix and change.fix not in series.ids:
+        raise ValueError(f"{where}: fix {change.fix} is not in the series")
     if not change.fix and not change.note:
         raise ValueError(f"{where}: a change needs a series fix or a note saying why none")
     if change.kind == "interacts" and not (change.fix and change.note):
@@ -76,16 +75,13 @@ def _check(change: Change, series: Series, pending: dict[str, str]) -> None:
 def load(series: Series) -> Sweep:
     """The sweep, every change checked against ``series`` (ValueError says which and why)."""
     data = tomllib.loads(DATA.read_text())
-    pending = dict(data.get("pending", {}))
-    if set(pending) & set(series.ids):
-        raise ValueError(f"{DATA.name}: pending names fixes the series has: drop them there")
     changes = tuple(Change(upstream=c["upstream"], since=Version(c["since"]), bug=c["bug"].strip(),
                            affected=c["affected"], kind=c["kind"], fix=c.get("fix", ""),
                            note=c.get("note", "").strip())
                     for c in data["change"])
     for change in changes:
-        _check(change, series, pending)
-    return Sweep(changes, pending, data["coverage"].strip())
+        _check(change, series)
+    return Sweep(changes, data["coverage"].strip())
 
 
 def _link(url: str) -> str:
@@ -99,10 +95,8 @@ def _releases(change: Change, series: Series) -> str:
     return f"{span} ({len(affected)}; fixed in v{change.since})"
 
 
-def _series_column(change: Change, series: Series, sweep: Sweep) -> str:
-    if change.fix in sweep.pending:
-        named = f"{change.fix} `{sweep.pending[change.fix]}` (being written)"
-    elif change.fix:
+def _series_column(change: Change, series: Series) -> str:
+    if change.fix:
         named = f"{change.fix} `{series.fix(change.fix).slug}`"
     else:
         named = "owed, not written" if change.kind == "backport" else ""
@@ -133,6 +127,6 @@ def render(series: Series, sweep: Sweep) -> str:
     ]
     lines += [f"| {_link(c.upstream)} | {' '.join(c.bug.split())} | "
               f"{_releases(c, series)} | "
-              f"{' '.join(_series_column(c, series, sweep).split())} |" for c in rows]
+              f"{' '.join(_series_column(c, series).split())} |" for c in rows]
     lines += ["", "## What the sweep read", "", sweep.coverage]
     return "\n".join(lines) + "\n"

@@ -218,15 +218,13 @@ def test_other_shapes_of_a_symptom(tmp_path, capsys, symptom, release, lines):
     assert code == EXIT_REFUSED and [f["symptom"] for f in found] == [symptom]
 
 
-def test_a_fix_is_named_before_the_series_has_it(tmp_path, capsys):
-    """F17's metadata comes from its TOML once the series has it, from the symptom's
-    fallback until then."""
+def test_a_backport_is_named_with_its_metadata(tmp_path, capsys):
+    """F17's slug and where it is needed come from its TOML."""
     release, lines = CASES["expired-behind-renewed-head"]
     _, found, _ = findings(capsys, str(write(tmp_path, startup(release, "stock") + lines)))
     [state] = found[0]["fixes"]
-    in_series = "F17" in _series.load().ids
     assert (state["id"], state["slug"]) == ("F17", "nixl-lease-reaper-scans-all")
-    assert state["on_release"] == ("needed" if in_series else "not in this vllm-patches")
+    assert (state["on_release"], state["upstream_since"]) == ("needed", "v0.31.0")
 
 
 def test_upstream_release_is_named(tmp_path, capsys):
@@ -285,7 +283,7 @@ def test_a_log_it_cannot_read_is_bad_input(tmp_path, capsys, content, why):
 
 
 def test_symptoms_name_known_fixes_and_documented_options():
-    """Each fix a symptom names is the series' (or has a fallback until it is), and each
+    """Each fix a symptom names is the series', and each
     option is documented under "Options the fixes add" as that fix's."""
     data = tomllib.loads(_diagnose.SYMPTOMS.read_text())
     guide = (REPO / "docs" / "operator-guide.md").read_text()
@@ -294,6 +292,6 @@ def test_symptoms_name_known_fixes_and_documented_options():
         assert entry["rule"] in _diagnose.RULES, entry["id"]
         assert set(entry["options"]) == set(entry["fixes"]), entry["id"]
         for fix_id, option in entry["options"].items():
-            assert fix_id in ids or "fallback" in entry, (entry["id"], fix_id)
+            assert fix_id in ids, (entry["id"], fix_id)
             if option:
                 assert re.search(rf"^### `{option}` \(.*\b{fix_id}\)$", guide, re.MULTILINE), option
