@@ -118,6 +118,8 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F6": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)",
                            "F7": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)",
                            "F8": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)",
+                           "F17": "not applicable (needed on vLLM >=0.22.0,<0.31.0, not on "
+                                  "v0.21.0)",
                            "F15": "not applicable (needed on vLLM >=0.24.0,<0.26.0, not on "
                                   "v0.21.0)",
                            "F16": "not applicable (needed on vLLM >=0.24.0,<0.30.0, not on "
@@ -127,7 +129,9 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F11": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
                            "F12": "not applicable (needed on vLLM >=0.28.0, not on v0.21.0)",
                            "F13": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
-                           "F14": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)"}
+                           "F14": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
+                           "F18": "not applicable (needed on vLLM >=0.30.0,<0.31.0, not on "
+                                  "v0.21.0)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]
     code, out, _ = run(capsys, "apply", "--fix", "F5,F3", "--check", str(checkout))
