@@ -344,16 +344,19 @@ def register_local_blocks(worker) -> None:
     """The local registration that upstream's
     ``test_prefill_tp_size_greater_than_decode_tp_size`` sets in place of
     ``register_kv_caches``: one region, which ``add_remote_agent`` splits per
-    producer rank when prefill TP > decode TP. From v0.24 a row also holds the
-    block stride and the number of blocks."""
+    producer rank when prefill TP > decode TP. The fake's own empty table says the
+    row's shape: three columns, or five from v0.33 (block stride, number of blocks)."""
     block_len = 4096 * worker.block_size
-    if isinstance(getattr(worker, "src_blocks_data", None), np.ndarray):
+    table = getattr(worker, "src_blocks_data", None)
+    if isinstance(table, np.ndarray) and table.shape[1] == 5:
         num_blocks = worker.kv_cache_config.num_blocks
         row = (0, block_len, worker.tp_rank, block_len, num_blocks)
         worker.src_blocks_data = np.array([row], dtype=np.uint64)
         worker.num_descs = num_blocks
     else:
-        worker.src_blocks_data = [(0, block_len, worker.tp_rank)]
+        row = (0, block_len, worker.tp_rank)
+        is_array = isinstance(table, np.ndarray)
+        worker.src_blocks_data = np.array([row], dtype=np.uint64) if is_array else [row]
         worker.num_descs = 1
 
 
