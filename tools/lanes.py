@@ -56,7 +56,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from venvs import UV_INSTALL_FLAGS, uv_pip_install
 
-from vllm_patches import _git, _releases, _series
+from vllm_patches import _git
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
 from vllm_patches._words import count
 
 REPO = Path(__file__).resolve().parent.parent

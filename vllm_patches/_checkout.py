@@ -19,10 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_patches import _git, _interrupt, _lock, _releases
+from vllm_patches import _git, _interrupt, _lock
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog.patchset import Blobs
 from vllm_patches._errors import UserError
 from vllm_patches._git import GitError
-from vllm_patches._patchset import Blobs
 
 # Files in the git directory that mean an operation of the user's is in progress: the
 # name, what it is, how to settle it.

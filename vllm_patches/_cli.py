@@ -79,7 +79,8 @@ class _ReaderMayLeave:
 
 
 def _release_arg(text: str):
-    from vllm_patches import _releases, _series
+    from vllm_patches._catalog import releases as _releases
+    from vllm_patches._catalog import series as _series
 
     try:
         return _releases.parse_release(text)
@@ -89,7 +90,7 @@ def _release_arg(text: str):
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from vllm_patches import _series
+    from vllm_patches._catalog import series as _series
 
     series = _series.load()
     for number, fix in enumerate(series.fixes, start=1):
@@ -114,7 +115,7 @@ def _chosen(args: argparse.Namespace) -> tuple[str, ...] | None:
     without one. An unknown id is bad input, refused before anything is read."""
     if not args.fix:
         return None
-    from vllm_patches import _series
+    from vllm_patches._catalog import series as _series
 
     series = _series.load()
     given = {part.strip() for value in args.fix for part in value.split(",")}
@@ -126,7 +127,8 @@ def _chosen(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 
 def _plan(checkout, args: argparse.Namespace, verb: str, three_way: bool = False):
-    from vllm_patches import _plan, _series
+    from vllm_patches import _plan
+    from vllm_patches._catalog import series as _series
 
     series = _series.load()
     release = _plan.resolve_release(checkout, series, args.release, verb)
@@ -172,7 +174,8 @@ def _resolve_checkout(args: argparse.Namespace) -> Path | None:
     if not hasattr(args, "checkout"):
         return None
     if args.checkout is None:
-        from vllm_patches import _checkout, _series
+        from vllm_patches import _checkout
+        from vllm_patches._catalog import series as _series
 
         release = args.release or _series.load().default_release
         here = Path.cwd()
@@ -194,7 +197,9 @@ def _default_checkout(release) -> Iterator[Path]:
     (`apply` with no CHECKOUT, outside a vLLM checkout). A signal that ends the run before
     `apply` changed it removes the copy this run made: the directory is there, patched,
     or not at all."""
-    from vllm_patches import _git, _releases, _series
+    from vllm_patches import _git
+    from vllm_patches._catalog import releases as _releases
+    from vllm_patches._catalog import series as _series
 
     release = release or _series.load().default_release
     target = Path.cwd() / f"vllm-v{release}"
@@ -255,14 +260,18 @@ def _report(plan, done, check: bool, verb: str, noun: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from vllm_patches import _export, _series
+    from vllm_patches import _export
+    from vllm_patches._catalog import series as _series
 
     return _export.command(_series.load(), args.fix, args.release, args.onto, args.output,
                            args.three_way, args.check)
 
 
 def cmd_regen(args: argparse.Namespace) -> int:
-    from vllm_patches import _patches, _patchset, _progress, _releases, _series
+    from vllm_patches import _patches, _progress
+    from vllm_patches._catalog import patchset as _patchset
+    from vllm_patches._catalog import releases as _releases
+    from vllm_patches._catalog import series as _series
 
     series = _series.load()
     for release in args.release or ():
@@ -309,7 +318,7 @@ def _patch_count(files: dict[str, str]) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from vllm_patches import _releases
+    from vllm_patches._catalog import releases as _releases
 
     if args.source:
         print(_releases.fetch_from_checkout(args.release_positional, Path(args.source)))
@@ -319,7 +328,10 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from vllm_patches import _cache, _matrix, _patches, _releases, _series
+    from vllm_patches import _matrix, _patches
+    from vllm_patches._catalog import cache as _cache
+    from vllm_patches._catalog import releases as _releases
+    from vllm_patches._catalog import series as _series
 
     series = _series.load()
     if args.write_readme and args.cached_only:
@@ -351,7 +363,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from vllm_patches import _cache, _series
+    from vllm_patches._catalog import cache as _cache
+    from vllm_patches._catalog import series as _series
 
     series = _series.load()
     if args.remove:
@@ -400,7 +413,7 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         import importlib.metadata
 
-        from vllm_patches import _series
+        from vllm_patches._catalog import series as _series
 
         series = _series.load()
         print(f"{parser.prog} {importlib.metadata.version('vllm-patches')} (vLLM "

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from packaging.version import InvalidVersion, Version
 
+from vllm_patches._catalog.series import PACKAGE_DIR, specifier_set
 from vllm_patches._errors import UserError
-from vllm_patches._series import PACKAGE_DIR, specifier_set
 
 if TYPE_CHECKING:
-    from vllm_patches._series import Fix
+    from vllm_patches._catalog.series import Fix
 
 SYMPTOMS = PACKAGE_DIR / "symptoms.toml"
 # A CPU tier pinned in more than this before the engine is ready is a finding: F4's
@@ -394,7 +394,7 @@ class Symptom:
 
 
 def load_symptoms() -> tuple[dict[str, re.Pattern], list[Symptom]]:
-    from vllm_patches import _series
+    from vllm_patches._catalog import series as _series
 
     data = tomllib.loads(SYMPTOMS.read_text())
     fixes = {fix.id: fix for fix in _series.load().fixes}

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-from vllm_patches import _runtime, _series
+from vllm_patches import _runtime
+from vllm_patches._catalog import series as _series
 from vllm_patches._errors import UserError
 
 OK, WARN, BAD = "ok", "warning", "BAD"

@@ -18,11 +18,13 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _git, _plan, _releases, _series
+from vllm_patches import _git, _plan
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import PatchSet
+from vllm_patches._catalog.series import Fix, Series
 from vllm_patches._checkout import Checkout, opened
 from vllm_patches._errors import Refused, UserError
-from vllm_patches._patchset import PatchSet
-from vllm_patches._series import Fix, Series
 from vllm_patches._splice import Overlay
 from vllm_patches._words import count
 

@@ -30,8 +30,8 @@ from vllm_patches._overlay import ADD, AMEND, HOOKS
 if TYPE_CHECKING:
     from packaging.version import Version
 
+    from vllm_patches._catalog.series import Fix
     from vllm_patches._hooks import CallFilters, CallRewrite
-    from vllm_patches._series import Fix
 
 # Set on each upstream module that received definitions: fix id -> what was installed.
 INSTALLED_ATTR = "__vllm_patches_installed__"

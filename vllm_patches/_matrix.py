@@ -13,9 +13,10 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _patches, _progress, _releases
+from vllm_patches import _patches, _progress
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog.series import Fix, Series
 from vllm_patches._errors import UserError
-from vllm_patches._series import Fix, Series
 
 # A fix's cell: ``Need.UPSTREAM`` or ``Need.NOT_APPLICABLE``'s word where ``Fix.on`` says it
 # is not needed; where it is, what generating its patch gave.

@@ -16,11 +16,12 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _git, _releases
+from vllm_patches import _git
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog.patchset import Blobs, Patch, PatchSet
+from vllm_patches._catalog.series import Fix, Need, Series
 from vllm_patches._checkout import Checkout
 from vllm_patches._errors import UserError
-from vllm_patches._patchset import Blobs, Patch, PatchSet
-from vllm_patches._series import Fix, Need, Series
 
 # Patch numbers (1-based, series order) of the release's patches a tree holds.
 Numbers = frozenset[int]

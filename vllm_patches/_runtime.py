@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from vllm_patches import _install, _series
+from vllm_patches import _install
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.series import Need, Series
 from vllm_patches._install import ActivationError, PartlyInstalled
-from vllm_patches._series import Need, Series
 from vllm_patches._words import count, word
 
 if TYPE_CHECKING:
+    from vllm_patches._catalog.series import Fix
     from vllm_patches._install import Installed
-    from vllm_patches._series import Fix
 
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
 ENV_FIXES = "VLLM_PATCHES_FIXES"

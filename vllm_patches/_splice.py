@@ -17,6 +17,7 @@ import libcst as cst
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from vllm_patches._catalog.series import describe_releases
 from vllm_patches._errors import SpliceError
 from vllm_patches._hooks import (
     HOOK_KINDS,
@@ -27,7 +28,6 @@ from vllm_patches._hooks import (
     hook_parameters,
 )
 from vllm_patches._overlay import ADD, AMEND, HOOKS
-from vllm_patches._series import describe_releases
 
 MARKERS = {AMEND, ADD}
 # ruff's default line length, which vLLM keeps: the spliced text must pass ruff format.

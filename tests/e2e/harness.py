@@ -83,7 +83,8 @@ def activation_line(mode: str, environ: dict[str, str]) -> str:
     and the fixes ``environ`` selects."""
     from packaging.version import Version
 
-    from vllm_patches import _runtime, _series
+    from vllm_patches import _runtime
+    from vllm_patches._catalog import series as _series
 
     if mode == "stock":
         return _runtime.Activation(None, [], disabled=True).line()
@@ -98,7 +99,7 @@ def bug_expected(fix_id: str, mode: str) -> bool:
     release that needs the fix (not on one that has it upstream or never had the bug)."""
     from packaging.version import Version
 
-    from vllm_patches import _series
+    from vllm_patches._catalog import series as _series
 
     fix = next(fix for fix in _series.load().fixes if fix.id == fix_id)
     version = Version(release())

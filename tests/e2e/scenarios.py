@@ -567,6 +567,7 @@ def f3_early_notification(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]
     import logging
 
     import torch
+
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config

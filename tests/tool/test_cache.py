@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from vllm_patches import _releases, _series
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
 from vllm_patches._cli import EXIT_OK, main
 
 RELEASE = _series.Version("0.21.0")

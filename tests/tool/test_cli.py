@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import git, run, snapshot
 
-from vllm_patches import _series
+from vllm_patches._catalog import series as _series
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 SERIES = _series.load()

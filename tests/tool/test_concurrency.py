@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 from conftest import git, snapshot
+from packaging.version import Version
 
-from vllm_patches import _lock, _series
+from vllm_patches import _lock
+from vllm_patches._catalog import series as _series
 from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
 
 ENV = {**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_patches import _git, _releases, _series
-from vllm_patches._patchset import Patch, PatchSet
+from vllm_patches import _git
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import Patch, PatchSet
 
 SERIES = _series.load()
 RELEASES = sorted(set(SERIES.lanes))

@@ -12,7 +12,8 @@ import pytest
 from conftest import run
 from packaging.version import Version
 
-from vllm_patches import _diagnose, _runtime, _series
+from vllm_patches import _diagnose, _runtime
+from vllm_patches._catalog import series as _series
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 REPO = _series.REPO_DIR

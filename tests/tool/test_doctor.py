@@ -113,7 +113,8 @@ def test_an_unsupported_release_is_a_refusal_when_the_plugin_is_registered(dists
 def v0_33_1(dists, monkeypatch, request):
     """vLLM 0.33.1 (or the version the test's parameter names) with the plugin; its
     sources: v0.33.0's tree, changed by ``edit``."""
-    from vllm_patches import _fingerprint, _releases
+    from vllm_patches import _fingerprint
+    from vllm_patches._catalog import releases as _releases
 
     tree = _releases.fetch(_releases.parse_release("0.33.0"))
     dists("vllm", getattr(request, "param", "0.33.1"))

@@ -11,7 +11,8 @@ import pytest
 from conftest import clone, git, snapshot
 from packaging.version import Version
 
-from vllm_patches import _releases, _series
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
 from vllm_patches._cli import EXIT_OK, main
 
 SERIES = _series.load()

@@ -7,7 +7,9 @@ import re
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _fingerprint, _patches, _patchset, _runtime, _series
+from vllm_patches import _fingerprint, _patches, _runtime
+from vllm_patches._catalog import patchset as _patchset
+from vllm_patches._catalog import series as _series
 
 SERIES = _series.load()
 RELEASE = Version("0.21.0")

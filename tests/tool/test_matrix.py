@@ -7,10 +7,13 @@ import importlib.util
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _cache, _cli, _matrix, _patches, _releases, _series
+from vllm_patches import _cli, _matrix, _patches
+from vllm_patches._catalog import cache as _cache
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import PatchSet
 from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 from vllm_patches._errors import UserError
-from vllm_patches._patchset import PatchSet
 
 SERIES = _series.load()
 DOC = _series.REPO_DIR / _matrix.DOC

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import git
 
-from vllm_patches import _releases, _series
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
 
 SERIES = _series.load()
 NEWEST = SERIES.newest

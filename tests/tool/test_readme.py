@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _cli, _runtime, _series
+from vllm_patches import _cli, _runtime
+from vllm_patches._catalog import series as _series
 
 REPO = _series.REPO_DIR
 README_PATH = REPO / "README.md"

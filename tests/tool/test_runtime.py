@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _install, _runtime, _series
+from vllm_patches import _install, _runtime
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.series import Fix, Series
 from vllm_patches._runtime import ActivationError
-from vllm_patches._series import Fix, Series
 
 PACKAGE = "fakevllm"
 INSTALLED = _install.INSTALLED_ATTR
@@ -963,7 +964,8 @@ def on_v0_33_1(fake, tmp_path, monkeypatch):
     """A vLLM whose version says 0.33.1 (``fakevllm``), a series covering v0.33.0, and the
     fingerprints of v0.33.0's tree as regen writes them; ``install(source)`` puts the
     installed module in place. ``register()`` runs as in a vLLM process."""
-    from vllm_patches import _fingerprint, _patchset
+    from vllm_patches import _fingerprint
+    from vllm_patches._catalog import patchset as _patchset
 
     fix = make_fix("F2", ["core/worker.py"], releases=">=0.18.0,<0.34.0", upstream_since=None)
     series = Series((fix,), LANES, covered=(Version("0.33.0"),))

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _patches, _series
+from vllm_patches import _patches
+from vllm_patches._catalog import series as _series
 from vllm_patches._splice import (
     Overlay,
     SpliceError,

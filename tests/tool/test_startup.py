@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from vllm_patches import _git, _series
+from vllm_patches import _git
+from vllm_patches._catalog import series as _series
 from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
 
 # Modules only regen/matrix (libcst) or fetch (the network, archives) need. (pathlib

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 from conftest import clone, git, snapshot
 
-from vllm_patches import _patches, _releases, _series
+from vllm_patches import _patches
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
 from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
 
 RELEASE = _series.Version("0.21.0")
