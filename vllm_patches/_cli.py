@@ -268,15 +268,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_regen(args: argparse.Namespace) -> int:
-    from vllm_patches import _patches, _progress
+    from vllm_patches import _progress
     from vllm_patches._catalog import patchset as _patchset
     from vllm_patches._catalog import releases as _releases
     from vllm_patches._catalog import series as _series
+    from vllm_patches._engine import patch_writer as _patch_writer
 
     series = _series.load()
     for release in args.release or ():
         series.require_covered(release)
-    _patches.require_ruff()
+    _patch_writer.require_ruff()
     releases = args.release or list(series.covered)
     stale = []
     if not args.release:  # directories of releases the series no longer covers
@@ -291,7 +292,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
                 print(f"{directory.name}: removed (not covered)")
     for number, release in enumerate(releases, start=1):
         with _progress.step(f"regen v{release} ({number}/{len(releases)})"):
-            files = _patches.render(series, release, _releases.fetch(release))
+            files = _patch_writer.render(series, release, _releases.fetch(release))
         existing = _patchset.committed(release)
         if files == existing:
             print(f"v{release}: up to date ({count(_patch_count(files), 'patch', 'patches')})")
@@ -328,15 +329,16 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from vllm_patches import _matrix, _patches
+    from vllm_patches import _matrix
     from vllm_patches._catalog import cache as _cache
     from vllm_patches._catalog import releases as _releases
     from vllm_patches._catalog import series as _series
+    from vllm_patches._engine import patch_writer as _patch_writer
 
     series = _series.load()
     if args.write_readme and args.cached_only:
         raise UserError("--write-readme needs every covered release; drop --cached-only")
-    _patches.require_ruff()
+    _patch_writer.require_ruff()
     cached = set(_releases.cached_releases())
     if args.cached_only:
         releases, uncovered = [r for r in series.covered if r in cached], []

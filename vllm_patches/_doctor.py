@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-from vllm_patches import _runtime
 from vllm_patches._catalog import series as _series
+from vllm_patches._engine import runtime as _runtime
 from vllm_patches._errors import UserError
 
 OK, WARN, BAD = "ok", "warning", "BAD"
@@ -72,7 +72,7 @@ def installed_version(distribution: str) -> str | None:
 
 def plugin_registered() -> bool:
     return any(entry.name == _runtime.ENTRY_POINT_NAME and
-               entry.value == "vllm_patches._runtime:register"
+               entry.value == "vllm_patches._engine.runtime:register"
                for entry in importlib.metadata.entry_points(group=_runtime.ENTRY_POINT_GROUP))
 
 
@@ -151,7 +151,7 @@ def _activation(environ: Mapping[str, str], load: bool, registered: bool,
             None, [], failure=reason, installed=version,
             not_active=_runtime.needed_fixes(series, ids, _runtime.base_release(version)))
         return None, [*findings, *policy(refused, registered)], ""
-    activation = _runtime.Activation(basis.release, _runtime.plan(series, basis.release, ids),
+    activation = _runtime.Activation(basis.release, _runtime.fix_states(series, basis.release, ids),
                                      basis=basis)
     return activation, [*findings, *policy(activation, registered)], \
         "would be activated by the plugin (not loaded here)"

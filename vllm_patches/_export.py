@@ -24,8 +24,8 @@ from vllm_patches._catalog import series as _series
 from vllm_patches._catalog.patchset import PatchSet
 from vllm_patches._catalog.series import Fix, Series
 from vllm_patches._checkout import Checkout, opened
+from vllm_patches._engine.splice import Overlay
 from vllm_patches._errors import Refused, UserError
-from vllm_patches._splice import Overlay
 from vllm_patches._words import count
 
 # Plain `git am` strips the subject's [Bugfix][NIXL] tags along with [PATCH k/n].

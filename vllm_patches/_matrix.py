@@ -13,9 +13,10 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _patches, _progress
+from vllm_patches import _progress
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog.series import Fix, Series
+from vllm_patches._engine import patch_writer as _patch_writer
 from vllm_patches._errors import UserError
 
 # A fix's cell: ``Need.UPSTREAM`` or ``Need.NOT_APPLICABLE``'s word where ``Fix.on`` says it
@@ -64,14 +65,14 @@ def row(series: Series, release: Version, tree: Path) -> Row:
             cells[fix.id] = Cell(verdict.need.value, verdict.detail)
     needed = series.applicable(release)
     try:
-        _patches.generate(series, release, tree)
+        _patch_writer.generate(series, release, tree)
         cells.update({fix.id: Cell(PATCH) for fix in needed})
     except UserError:
         # Find the culprit: each fix on top of those before it that went in cleanly.
         clean: list[Fix] = []
         for fix in needed:
             try:
-                _patches.generate(Series((*clean, fix), series.lanes, series.covered), release,
+                _patch_writer.generate(Series((*clean, fix), series.lanes, series.covered), release,
                                   tree)
             except UserError as exc:
                 cells[fix.id] = _failure(exc)

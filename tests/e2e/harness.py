@@ -83,15 +83,15 @@ def activation_line(mode: str, environ: dict[str, str]) -> str:
     and the fixes ``environ`` selects."""
     from packaging.version import Version
 
-    from vllm_patches import _runtime
     from vllm_patches._catalog import series as _series
+    from vllm_patches._engine import runtime as _runtime
 
     if mode == "stock":
         return _runtime.Activation(None, [], disabled=True).line()
     series = _series.load()
     version = Version(release())
     return _runtime.Activation(
-        version, _runtime.plan(series, version, _runtime.selected_ids(series, environ))).line()
+        version, _runtime.fix_states(series, version, _runtime.selected_ids(series, environ))).line()
 
 
 def bug_expected(fix_id: str, mode: str) -> bool:

@@ -12,7 +12,7 @@ from packaging.version import Version
 from vllm_patches._catalog import patchset as _patchset
 from vllm_patches._catalog import series as _series
 from vllm_patches._catalog.patchset import PatchSet
-from vllm_patches._splice import Overlay
+from vllm_patches._engine.splice import Overlay
 
 SERIES = _series.load()
 FIXES = SERIES.fixes

@@ -18,8 +18,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_patches._catalog.series import describe_releases
-from vllm_patches._errors import SpliceError
-from vllm_patches._hooks import (
+from vllm_patches._engine.hooks import (
     HOOK_KINDS,
     CallFilters,
     CallRewrite,
@@ -27,6 +26,7 @@ from vllm_patches._hooks import (
     group_call_filters,
     hook_parameters,
 )
+from vllm_patches._errors import SpliceError
 from vllm_patches._overlay import ADD, AMEND, HOOKS
 
 MARKERS = {AMEND, ADD}

@@ -107,7 +107,7 @@ def targets(series: Series, release: Version, root: Path) -> dict[str, list[tupl
     installs and ``regen`` splices)."""
     import libcst as cst
 
-    from vllm_patches._splice import (
+    from vllm_patches._engine.splice import (
         DOCSTRING_MEMBER,
         Overlay,
         _is_docstring,
