@@ -59,7 +59,7 @@ from venvs import UV_INSTALL_FLAGS, uv_pip_install
 from vllm_patches import _git
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog import series as _series
-from vllm_patches._words import count
+from vllm_patches._plural import count
 
 REPO = Path(__file__).resolve().parent.parent
 # Venvs, trees and reports; VLLM_PATCHES_BUILD puts them elsewhere (a second checkout or

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from vllm_patches import _interrupt
 from vllm_patches._errors import Refused, UserError
-from vllm_patches._words import count
+from vllm_patches._plural import count
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 # Without a CHECKOUT, status, apply and revert work where the user is (``_resolve_checkout``).
@@ -127,8 +127,8 @@ def _chosen(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 
 def _plan(checkout, args: argparse.Namespace, verb: str, three_way: bool = False):
-    from vllm_patches import _plan
     from vllm_patches._catalog import series as _series
+    from vllm_patches._checkout import plan as _plan
 
     series = _series.load()
     release = _plan.resolve_release(checkout, series, args.release, verb)
@@ -137,7 +137,7 @@ def _plan(checkout, args: argparse.Namespace, verb: str, three_way: bool = False
 
 def _opened(args: argparse.Namespace, verb: str, writes: bool):
     """The checkout under its repository's lock (``_checkout.opened``) for the verb."""
-    from vllm_patches import _checkout
+    from vllm_patches._checkout import checkout as _checkout
 
     check = getattr(args, "check", False)
     return _checkout.opened(Path(args.checkout), verb + (" --check" if check else ""),
@@ -154,7 +154,7 @@ def _print_plan(plan) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from vllm_patches._plan import State
+    from vllm_patches._checkout.plan import State
 
     _chosen(args)
     with _opened(args, "status", writes=False) as checkout:
@@ -174,8 +174,8 @@ def _resolve_checkout(args: argparse.Namespace) -> Path | None:
     if not hasattr(args, "checkout"):
         return None
     if args.checkout is None:
-        from vllm_patches import _checkout
         from vllm_patches._catalog import series as _series
+        from vllm_patches._checkout import checkout as _checkout
 
         release = args.release or _series.load().default_release
         here = Path.cwd()
@@ -216,7 +216,7 @@ def _default_checkout(release) -> Iterator[Path]:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from vllm_patches import _carry
+    from vllm_patches._checkout import apply_revert as _apply_revert
 
     _chosen(args)
     with (_default_checkout(args.release) if args.checkout is None
@@ -224,18 +224,18 @@ def cmd_apply(args: argparse.Namespace) -> int:
         args.checkout = str(path)
         with _opened(args, "apply", writes=True) as checkout:
             plan = _plan(checkout, args, "apply", args.three_way)
-            done, after = _carry.apply(plan, commit=not args.no_commit, check=args.check,
+            done, after = _apply_revert.apply(plan, commit=not args.no_commit, check=args.check,
                                        again=_again(args, checkout.path))
             return _report(after, done, args.check, "applies", "apply")
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    from vllm_patches import _carry
+    from vllm_patches._checkout import apply_revert as _apply_revert
 
     _chosen(args)
     with _opened(args, "revert", writes=True) as checkout:
         plan = _plan(checkout, args, "revert")
-        done, after = _carry.revert(plan, commit=not args.no_commit, check=args.check)
+        done, after = _apply_revert.revert(plan, commit=not args.no_commit, check=args.check)
         return _report(after, done, args.check, "reverts", "revert")
 
 

@@ -449,7 +449,7 @@ def _fix_words(state: dict) -> str:
 
 def line(finding: dict) -> str:
     """A finding as one line: where, what, how often, on what, which fix, since when."""
-    from vllm_patches._words import count
+    from vllm_patches._plural import count
 
     seen = (f"{count(finding['requests'], 'request')} in {count(finding['lines'], 'line')}"
             if finding["requests"] else count(finding["lines"], "line"))

@@ -15,8 +15,8 @@ import pytest
 from conftest import git, snapshot
 from packaging.version import Version
 
-from vllm_patches import _lock
 from vllm_patches._catalog import series as _series
+from vllm_patches._checkout import lock as _lock
 from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
 
 ENV = {**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}

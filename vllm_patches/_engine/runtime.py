@@ -24,7 +24,7 @@ from vllm_patches._catalog import series as _series
 from vllm_patches._catalog.series import Need, Series
 from vllm_patches._engine import install as _install
 from vllm_patches._engine.install import ActivationError, PartlyInstalled
-from vllm_patches._words import count, word
+from vllm_patches._plural import count, word
 
 if TYPE_CHECKING:
     from vllm_patches._catalog.series import Fix

@@ -19,9 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_patches import _git, _interrupt, _lock
+from vllm_patches import _git, _interrupt
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog.patchset import Blobs
+from vllm_patches._checkout import lock as _lock
 from vllm_patches._errors import UserError
 from vllm_patches._git import GitError
 

@@ -20,7 +20,7 @@ from vllm_patches import _git
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog.patchset import Blobs, Patch, PatchSet
 from vllm_patches._catalog.series import Fix, Need, Series
-from vllm_patches._checkout import Checkout
+from vllm_patches._checkout.checkout import Checkout
 from vllm_patches._errors import UserError
 
 # Patch numbers (1-based, series order) of the release's patches a tree holds.

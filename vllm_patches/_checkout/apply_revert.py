@@ -17,9 +17,9 @@ from pathlib import Path
 
 from vllm_patches import _git, _interrupt
 from vllm_patches._catalog.patchset import PATCH_AUTHOR
+from vllm_patches._checkout.plan import FixStatus, Numbers, Plan, State, combined
 from vllm_patches._errors import Refused
 from vllm_patches._git import GitError
-from vllm_patches._plan import FixStatus, Numbers, Plan, State, combined
 
 
 def _require_changeable(plan: Plan) -> None:
