@@ -8,7 +8,8 @@ import pytest
 
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog import series as _series
-from vllm_patches._cli import EXIT_OK, main
+from vllm_patches._cli import main
+from vllm_patches._errors import EXIT_OK
 
 RELEASE = _series.Version("0.21.0")
 

@@ -17,7 +17,8 @@ from packaging.version import Version
 
 from vllm_patches._catalog import series as _series
 from vllm_patches._checkout import lock as _lock
-from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
+from vllm_patches._cli import main
+from vllm_patches._errors import EXIT_OK, EXIT_REFUSED
 
 ENV = {**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}
 ROUNDS = 20  # two applies: on unlocked code 19 or 20 of 20 rounds went wrong

@@ -12,10 +12,10 @@ import pytest
 from conftest import run
 from packaging.version import Version
 
-from vllm_patches import _diagnose
 from vllm_patches._catalog import series as _series
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
+from vllm_patches._commands import diagnose as _diagnose
 from vllm_patches._engine import runtime as _runtime
+from vllm_patches._errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 REPO = _series.REPO_DIR
 P = "cmpl-9b1c7e40d2a34f6d-0-5c2e91aa"  # a prompt's id as vLLM's randomization makes it

@@ -6,9 +6,10 @@ import importlib.util
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _cli, _doctor
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
+from vllm_patches import _cli
+from vllm_patches._commands import doctor as _doctor
 from vllm_patches._engine import runtime as _runtime
+from vllm_patches._errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 
 @pytest.fixture

@@ -7,14 +7,14 @@ import importlib.util
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _cli, _matrix
+from vllm_patches import _cli
 from vllm_patches._catalog import cache as _cache
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog import series as _series
 from vllm_patches._catalog.patchset import PatchSet
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
+from vllm_patches._commands import matrix as _matrix
 from vllm_patches._engine import patch_writer as _patch_writer
-from vllm_patches._errors import UserError
+from vllm_patches._errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED, UserError
 
 SERIES = _series.load()
 DOC = _series.REPO_DIR / _matrix.DOC

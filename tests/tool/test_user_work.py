@@ -9,8 +9,9 @@ from conftest import clone, git, snapshot
 
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog import series as _series
-from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
+from vllm_patches._cli import main
 from vllm_patches._engine import patch_writer as _patch_writer
+from vllm_patches._errors import EXIT_OK, EXIT_REFUSED
 
 RELEASE = _series.Version("0.21.0")
 CHANGING = [["apply"], ["apply", "--no-commit"], ["apply", "--3way"], ["apply", "--check"],

@@ -1,4 +1,4 @@
-"""Carrying out a plan (``_plan``) on a user's checkout (``_checkout``): apply or revert
+"""Carrying out a plan (``plan``) on a user's checkout (``checkout``): apply or revert
 the chosen fixes, all or nothing.
 
 The rule: the tool changes nothing it did not create. Before changing anything it

@@ -1,8 +1,8 @@
 """A user's vLLM checkout: opening it under its repository's lock, reading what git says
-about it, and ``git am`` on it all or nothing. What a plan (``_plan``) is made of is read
-here; carrying a plan out is ``_carry``'s.
+about it, and ``git am`` on it all or nothing. What a plan (``plan``) is made of is read
+here; carrying a plan out is ``apply_revert``'s.
 
-Every verb opens the checkout under its repository's lock (``opened``, ``_lock``): a
+Every verb opens the checkout under its repository's lock (``opened``, ``lock``): a
 second run on the same repository waits for the first, or refuses, before it reads
 anything its plan is made of. A git command that fails midway is rolled back to where
 the operation started (``roll_back``); a SIGINT or SIGTERM waits for such an operation,

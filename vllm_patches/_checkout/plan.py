@@ -1,7 +1,7 @@
 """What the series is on one checkout, worked out once: the release, each fix's state,
 the patch files, and which of the release's patches HEAD and the work tree hold.
 
-`status` prints a plan; `apply` and `revert` carry it out (``_carry``). A tree holds a
+`status` prints a plan; `apply` and `revert` carry it out (``apply_revert``). A tree holds a
 *set* of the patches, applied in series order and undone newest first. The set is
 recognized exactly from blob ids (``PatchSet.recognize``) when it can be, else git
 tries the patches in scratch indexes (``_git.scratch_env``), plainly or with ``--3way``

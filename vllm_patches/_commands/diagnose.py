@@ -12,6 +12,7 @@ correlates its lines (pairs, order, siblings, times). An unknown line is no find
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import re
@@ -341,7 +342,7 @@ def kvcached_hang(engine: Engine, symptom: Symptom) -> Hit | None:
     sizes = [m.count for m in engine.matches["tensor_parallel"] if m.count]
     if not engine.matches["kvcached"] or engine.matches["ready"] or max(sizes, default=1) < 2:
         return None
-    from vllm_patches._doctor import KNOWN_BAD
+    from vllm_patches._commands.doctor import KNOWN_BAD
 
     bad = next(bad for bad in KNOWN_BAD if bad.package == "kvcached")
     return Hit([], 1, f"tensor parallelism {max(sizes)}, no ready line: {bad.what}; fixed in "
@@ -487,3 +488,7 @@ def report(names: list[str], as_json: bool) -> int:
         if not findings:
             print(f"no known symptom in {', '.join(names)}")
     return 1 if findings else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return report(args.logs, args.json)

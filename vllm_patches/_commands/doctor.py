@@ -11,6 +11,7 @@ the fixes out whatever vLLM runs (``VLLM_PLUGINS`` without this plugin, an unkno
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import os
@@ -22,7 +23,7 @@ from packaging.version import InvalidVersion, Version
 
 from vllm_patches._catalog import series as _series
 from vllm_patches._engine import runtime as _runtime
-from vllm_patches._errors import UserError
+from vllm_patches._errors import EXIT_OK, EXIT_REFUSED, UserError
 
 OK, WARN, BAD = "ok", "warning", "BAD"
 # Without vLLM in this Python there is nothing the fixes could break or mend: a warning
@@ -263,3 +264,11 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
                                if vllm is None
                                else "no known problem"))
     return lines, bad
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size must be 1 or more, not {args.tensor_parallel_size}")
+    lines, bad = report(args.tensor_parallel_size, load=not args.no_load)
+    print("\n".join(lines))
+    return EXIT_REFUSED if bad else EXIT_OK
