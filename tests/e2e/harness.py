@@ -90,8 +90,8 @@ def activation_line(mode: str, environ: dict[str, str]) -> str:
         return _runtime.Activation(None, [], disabled=True).line()
     series = _series.load()
     version = Version(release())
-    return _runtime.Activation(
-        version, _runtime.fix_states(series, version, _runtime.selected_ids(series, environ))).line()
+    ids = _runtime.selected_ids(series, environ)
+    return _runtime.Activation(version, _runtime.fix_states(series, version, ids)).line()
 
 
 def bug_expected(fix_id: str, mode: str) -> bool:

@@ -902,7 +902,8 @@ def test_the_entry_point_is_declared():
 
 def test_the_plugin_module_imports_without_libcst():
     """vLLM logs and skips a plugin whose module fails to import: keep that import small."""
-    code = "import sys, vllm_patches._engine.runtime; print(sorted(m for m in sys.modules if 'libcst' in m))"
+    code = ("import sys, vllm_patches._engine.runtime\n"
+            "print(sorted(m for m in sys.modules if 'libcst' in m))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}).stdout
     assert out.strip() == "[]"

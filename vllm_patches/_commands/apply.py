@@ -23,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
         args.checkout = str(path)
         with opened(args, "apply", writes=True) as checkout:
             plan = make_plan(checkout, args, "apply", args.three_way)
-            done, after = _apply_revert.apply(plan, commit=not args.no_commit, check=args.check,
-                                       again=_again(args, checkout.path))
+            done, after = _apply_revert.apply(plan, commit=not args.no_commit,
+                                              check=args.check, again=_again(args, checkout.path))
             return report(after, done, args.check, "applies", "apply")
 
 

@@ -77,8 +77,8 @@ def row(series: Series, release: Version, tree: Path) -> Row:
         clean: list[Fix] = []
         for fix in needed:
             try:
-                _patch_writer.generate(Series((*clean, fix), series.lanes, series.covered), release,
-                                  tree)
+                _patch_writer.generate(Series((*clean, fix), series.lanes, series.covered),
+                                       release, tree)
             except UserError as exc:
                 cells[fix.id] = _failure(exc)
                 continue
