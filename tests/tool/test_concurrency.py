@@ -136,7 +136,8 @@ def test_apply_and_revert_at_once(checkout):
 
 
 # A run that holds the repository's lock until its stdin closes.
-HOLDER = ("import sys\nfrom pathlib import Path\nfrom vllm_patches import _checkout\n"
+HOLDER = ("import sys\nfrom pathlib import Path\n"
+          "from vllm_patches._checkout import checkout as _checkout\n"
           "with _checkout.opened(Path(sys.argv[1]), sys.argv[2], writes=sys.argv[3] == 'w'):\n"
           "    print('held', flush=True)\n    sys.stdin.read()\n")
 
