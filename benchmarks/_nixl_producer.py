@@ -70,7 +70,7 @@ def _allow_block_size_16_on_cpu(monkeypatch) -> None:
 
 def release_of(tree: Path) -> str:
     sys.path.insert(0, str(REPO))
-    from vllm_patches import _releases
+    from vllm_patches._catalog import releases as _releases
 
     return str(_releases.detect_release(tree))
 
@@ -96,7 +96,8 @@ def trees_from_args(args: argparse.Namespace) -> tuple[str, dict[str, Path], str
     sys.path.insert(0, str(REPO / "tools"))
     sys.path.insert(0, str(REPO))
     import lanes
-    from vllm_patches import _releases
+
+    from vllm_patches._catalog import releases as _releases
 
     release = _releases.parse_release(args.release)
     source = _releases.fetch(release)

@@ -24,8 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from vllm_patches import _releases, _series
-from vllm_patches._patchset import PatchSet
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import PatchSet
 
 RELEASE = _series.Version("0.21.0")
 COMMAND = Path(sys.executable).parent / "vllm-patches"

@@ -76,7 +76,8 @@ def main() -> int:
         return 0
 
     import lanes  # tools/lanes.py: the same trees and venvs the tests use
-    from vllm_patches import _releases
+
+    from vllm_patches._catalog import releases as _releases
 
     release = _releases.parse_release(args.release)
     source = _releases.fetch(release)

@@ -127,7 +127,7 @@ def main() -> int:
     import analysis
     import engine_lane
 
-    from vllm_patches import _releases
+    from vllm_patches._catalog import releases as _releases
 
     release = _releases.parse_release(args.release)
     if args.from_lane:

@@ -111,7 +111,7 @@ def main() -> int:
     sys.path[:0] = [str(REPO / "tools"), str(REPO)]
     import engine_lane
 
-    from vllm_patches import _releases
+    from vllm_patches._catalog import releases as _releases
 
     release = _releases.parse_release(args.release)
     results = engine_lane.measure_in_engine_venv(

@@ -47,7 +47,7 @@ import lanes
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from vllm_patches import _releases
+from vllm_patches._catalog import releases as _releases
 
 
 @dataclass(frozen=True)

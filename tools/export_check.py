@@ -36,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a pack
 import lanes
 import precommit
 
-from vllm_patches import _git, _releases, _series
-from vllm_patches._words import count
+from vllm_patches import _git
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._plural import count
 
 # export signs the patches off with the git identity it finds; CI has none of its own.
 IDENTITY = _git.Identity("vllm-patches export check",

@@ -18,7 +18,7 @@ For each lane (a covered release whose tests CI runs, `lanes` in series.toml):
   6. for fixes already upstream in the release, their bug reproductions pass on stock;
   7. runtime mode: this package is installed into the lane venv (as a wheel, the way
      users install it), and the fix tests run on the *stock* tree once more with
-     ``-p vllm_patches._pytest_plugin``, which calls vLLM's ``load_general_plugins()``:
+     ``-p vllm_patches._engine.pytest_plugin``, which calls vLLM's ``load_general_plugins()``:
      through the real entry point every fix test must pass. The stock run of step 4
      loads the plugin too, with ``VLLM_PATCHES_DISABLE=1``: disabled, the bug must
      reproduce. Every other run here sets ``VLLM_PATCHES_DISABLE=1`` (vLLM loads
@@ -56,8 +56,10 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from venvs import UV_INSTALL_FLAGS, uv_pip_install
 
-from vllm_patches import _git, _releases, _series
-from vllm_patches._words import count
+from vllm_patches import _git
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._plural import count
 
 REPO = Path(__file__).resolve().parent.parent
 # Venvs, trees and reports; VLLM_PATCHES_BUILD puts them elsewhere (a second checkout or
@@ -216,7 +218,7 @@ def ensure_package(python: Path) -> str | None:
     return None
 
 
-RUNTIME_PLUGIN = "vllm_patches._pytest_plugin"
+RUNTIME_PLUGIN = "vllm_patches._engine.pytest_plugin"
 ACTIVATION_LINE = re.compile(r"^vllm-patches(:| on vLLM) .*$", re.MULTILINE)
 
 

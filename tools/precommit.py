@@ -58,7 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
 import lanes
 
-from vllm_patches._words import count
+from vllm_patches._plural import count
 
 PRE_COMMIT = "pre-commit==4.7.0"
 HOME = lanes.BUILD / "precommit"

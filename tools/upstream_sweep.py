@@ -11,7 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_patches import _series, _sweep
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog import sweep as _sweep
 
 if __name__ == "__main__":
     series = _series.load()

@@ -1,4 +1,7 @@
-"""The one error type the CLI turns into a single line and a non-zero exit."""
+"""The one error type the CLI turns into a single line and a non-zero exit, and the exit
+codes (the contract: ``_cli``'s docstring)."""
+
+EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 class UserError(Exception):

@@ -27,7 +27,7 @@ traceback and leave, by timing, a `git am` in progress with a stale `.git/index.
   goes on to its end in its own session anyway), but git am would run without the
   repository's own configuration (identity, hooks) and the verb would pay several
   git commands more, for no difference under SIGINT and SIGTERM.
-- **One line, true of the checkout**: a verb on a checkout (``_checkout.opened``,
+- **One line, true of the checkout**: a verb on a checkout (``_checkout.checkout.opened``,
   ``guard``) says whether it was changed: "nothing was changed", or, when the signal
   came after the step, that the change is complete. Verbs on no checkout (regen, fetch,
   matrix) say only that they were interrupted.

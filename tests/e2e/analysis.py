@@ -64,7 +64,7 @@ def diagnosed(run_dir: Path) -> dict[str, list[str]]:
     """Engine log -> the symptoms `vllm-patches diagnose` finds in it, for each engine of
     a run (``producer*.log``, ``decoder*.log``: a restarted engine's too); a log without
     findings is left out."""
-    from vllm_patches import _diagnose
+    from vllm_patches._commands import diagnose as _diagnose
 
     found: dict[str, list[str]] = {}
     for log in sorted([*run_dir.glob("producer*.log"), *run_dir.glob("decoder*.log")]):

@@ -83,14 +83,15 @@ def activation_line(mode: str, environ: dict[str, str]) -> str:
     and the fixes ``environ`` selects."""
     from packaging.version import Version
 
-    from vllm_patches import _runtime, _series
+    from vllm_patches._catalog import series as _series
+    from vllm_patches._engine import runtime as _runtime
 
     if mode == "stock":
         return _runtime.Activation(None, [], disabled=True).line()
     series = _series.load()
     version = Version(release())
-    return _runtime.Activation(
-        version, _runtime.plan(series, version, _runtime.selected_ids(series, environ))).line()
+    ids = _runtime.selected_ids(series, environ)
+    return _runtime.Activation(version, _runtime.fix_states(series, version, ids)).line()
 
 
 def bug_expected(fix_id: str, mode: str) -> bool:
@@ -98,7 +99,7 @@ def bug_expected(fix_id: str, mode: str) -> bool:
     release that needs the fix (not on one that has it upstream or never had the bug)."""
     from packaging.version import Version
 
-    from vllm_patches import _series
+    from vllm_patches._catalog import series as _series
 
     fix = next(fix for fix in _series.load().fixes if fix.id == fix_id)
     version = Version(release())

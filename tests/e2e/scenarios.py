@@ -567,6 +567,7 @@ def f3_early_notification(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]
     import logging
 
     import torch
+
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
@@ -574,7 +575,7 @@ def f3_early_notification(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]
 
     os.environ.update(NIXL_PROBE_ENV)
     load_general_plugins()
-    from vllm_patches import _runtime
+    from vllm_patches._engine import runtime as _runtime
 
     activation = _runtime.current()
     harness = producer_harness(run_dir)

@@ -95,7 +95,7 @@ COMBINATIONS = {
 
 def combination_fixes(name: str) -> dict[str, str]:
     """Each engine's fix set of combination ``name``, as ``scenarios.fixes_env`` takes it."""
-    from vllm_patches import _series
+    from vllm_patches._catalog import series as _series
 
     # Not F5, nor a fix built on it (F12): the plugin refuses a fix set without a fix one
     # of its fixes requires, and the engine runs stock.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_patches import _releases
+from vllm_patches._catalog import releases as _releases
 
 # What the git directory holds for an operation in progress, and the rest of its state
 # that a refused command must leave alone.

@@ -6,8 +6,10 @@ import sys
 
 import pytest
 
-from vllm_patches import _releases, _series
-from vllm_patches._cli import EXIT_OK, main
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._cli import main
+from vllm_patches._errors import EXIT_OK
 
 RELEASE = _series.Version("0.21.0")
 
@@ -86,7 +88,7 @@ def test_piped_a_logged_step_is_one_line_with_its_context(monkeypatch):
 
 @pytest.mark.parametrize(("number", "shown"), [(0, "0 items"), (1, "1 item"), (2, "2 items")])
 def test_a_count_names_its_noun_in_the_right_number(number, shown):
-    from vllm_patches._words import count, word
+    from vllm_patches._plural import count, word
 
     assert count(number, "item") == shown
     assert count(number, "patch", "patches") == shown.replace("item", "patch").replace(

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import git, run, snapshot
 
-from vllm_patches import _series
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
+from vllm_patches._catalog import series as _series
+from vllm_patches._errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 SERIES = _series.load()
 RELEASE = _series.Version("0.21.0")

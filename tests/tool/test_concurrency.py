@@ -12,11 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 from conftest import git, snapshot
+from packaging.version import Version
 
-from vllm_patches import _lock, _series
-from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
+from vllm_patches._catalog import series as _series
+from vllm_patches._checkout import lock as _lock
+from vllm_patches._cli import main
+from vllm_patches._errors import EXIT_OK, EXIT_REFUSED
 
 ENV = {**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}
 ROUNDS = 20  # two applies: on unlocked code 19 or 20 of 20 rounds went wrong
@@ -134,7 +136,8 @@ def test_apply_and_revert_at_once(checkout):
 
 
 # A run that holds the repository's lock until its stdin closes.
-HOLDER = ("import sys\nfrom pathlib import Path\nfrom vllm_patches import _checkout\n"
+HOLDER = ("import sys\nfrom pathlib import Path\n"
+          "from vllm_patches._checkout import checkout as _checkout\n"
           "with _checkout.opened(Path(sys.argv[1]), sys.argv[2], writes=sys.argv[3] == 'w'):\n"
           "    print('held', flush=True)\n    sys.stdin.read()\n")
 

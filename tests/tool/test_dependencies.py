@@ -3,7 +3,7 @@ without the fixes it does not require, and does not apply without one it require
 
 `apply --fix` applies any set of the release's patches that holds each one's
 requirements, in series order, and a conflicting fix leaves the fixes that do not
-require it applicable (``_plan``). Both rest on this: patch k is generated on top of
+require it applicable (``_checkout.plan``). Both rest on this: patch k is generated on top of
 patches 1..k-1, so a patch could depend on an earlier one's lines without the
 metadata saying so. Checked on the lanes (the newest covered release among them), in a
 scratch index and object store: the cached release is only read.
@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_patches import _git, _releases, _series
-from vllm_patches._patchset import Patch, PatchSet
+from vllm_patches import _git
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import Patch, PatchSet
 
 SERIES = _series.load()
 RELEASES = sorted(set(SERIES.lanes))

@@ -12,8 +12,10 @@ import pytest
 from conftest import run
 from packaging.version import Version
 
-from vllm_patches import _diagnose, _runtime, _series
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
+from vllm_patches._catalog import series as _series
+from vllm_patches._commands import diagnose as _diagnose
+from vllm_patches._engine import runtime as _runtime
+from vllm_patches._errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 REPO = _series.REPO_DIR
 P = "cmpl-9b1c7e40d2a34f6d-0-5c2e91aa"  # a prompt's id as vLLM's randomization makes it
@@ -31,7 +33,7 @@ def startup(release: str, mode: str) -> list[str]:
         plugin = _runtime.Activation(None, [], disabled=True).line()
     else:
         series, version = _series.load(), Version(release)
-        plugin = _runtime.Activation(version, _runtime.plan(
+        plugin = _runtime.Activation(version, _runtime.fix_states(
             series, version, _runtime.selected_ids(series, {}))).line()
         if "F17" not in series.ids and Version("0.22.0") <= version < Version("0.31.0"):
             plugin = plugin.replace(": active: ", ": active: F17, ")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_patches import _series
+from vllm_patches._catalog import series as _series
 
 REPO = _series.REPO_DIR
 SERIES = _series.load()

@@ -6,8 +6,10 @@ import importlib.util
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _cli, _doctor, _runtime
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
+from vllm_patches import _cli
+from vllm_patches._commands import doctor as _doctor
+from vllm_patches._engine import runtime as _runtime
+from vllm_patches._errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 
 @pytest.fixture
@@ -86,7 +88,7 @@ def test_kvcached_fixed_or_single_gpu_or_unknown_tensor_parallelism(dists, capsy
 def test_fixes_the_plugin_would_activate(dists, capsys):
     dists("vllm", "0.21.0+cu128")
     dists("vllm_patches", "0.1.0", "[vllm.general_plugins]\n"
-                                   "vllm_patches = vllm_patches._runtime:register\n")
+                                   "vllm_patches = vllm_patches._engine.runtime:register\n")
     code, out, _ = doctor(capsys)
     assert code == EXIT_OK
     assert "vllm_patches plugin: registered" in out
@@ -94,7 +96,7 @@ def test_fixes_the_plugin_would_activate(dists, capsys):
     assert "  F1 two-phase-computed-block-allocation: would be active" in out
 
 
-PLUGIN = "[vllm.general_plugins]\nvllm_patches = vllm_patches._runtime:register\n"
+PLUGIN = "[vllm.general_plugins]\nvllm_patches = vllm_patches._engine.runtime:register\n"
 
 
 def test_an_unsupported_release_is_a_refusal_when_the_plugin_is_registered(dists, capsys):
@@ -113,7 +115,8 @@ def test_an_unsupported_release_is_a_refusal_when_the_plugin_is_registered(dists
 def v0_33_1(dists, monkeypatch, request):
     """vLLM 0.33.1 (or the version the test's parameter names) with the plugin; its
     sources: v0.33.0's tree, changed by ``edit``."""
-    from vllm_patches import _fingerprint, _releases
+    from vllm_patches._catalog import releases as _releases
+    from vllm_patches._engine import fingerprint as _fingerprint
 
     tree = _releases.fetch(_releases.parse_release("0.33.0"))
     dists("vllm", getattr(request, "param", "0.33.1"))
@@ -182,7 +185,7 @@ def test_what_is_active_in_this_python(dists, capsys, monkeypatch):
     """In a process where the plugin ran, doctor reports that activation, not a plan."""
     dists("vllm", "0.21.0")
     series = _doctor._series.load()
-    states = _runtime.plan(series, _runtime.Version("0.21.0"), ["F1"])
+    states = _runtime.fix_states(series, _runtime.Version("0.21.0"), ["F1"])
     monkeypatch.setattr(_runtime, "_CURRENT", _runtime.Activation(_runtime.Version("0.21.0"),
                                                                   states))
     code, out, _ = doctor(capsys)

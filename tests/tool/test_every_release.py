@@ -11,8 +11,10 @@ import pytest
 from conftest import clone, git, snapshot
 from packaging.version import Version
 
-from vllm_patches import _releases, _series
-from vllm_patches._cli import EXIT_OK, main
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._cli import main
+from vllm_patches._errors import EXIT_OK
 
 SERIES = _series.load()
 CACHED = set(_releases.cached_releases())

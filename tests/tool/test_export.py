@@ -16,9 +16,11 @@ import pytest
 from conftest import CONTRIBUTOR_EMAIL, CONTRIBUTOR_NAME, git, run, snapshot
 from packaging.version import Version
 
-from vllm_patches import _export, _releases, _series
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
-from vllm_patches._patchset import PatchSet
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import PatchSet
+from vllm_patches._commands import export as _export
+from vllm_patches._errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 SERIES = _series.load()
 NEWEST = max(SERIES.lanes)

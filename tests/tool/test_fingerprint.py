@@ -7,7 +7,11 @@ import re
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _fingerprint, _patches, _patchset, _runtime, _series
+from vllm_patches._catalog import patchset as _patchset
+from vllm_patches._catalog import series as _series
+from vllm_patches._engine import fingerprint as _fingerprint
+from vllm_patches._engine import patch_writer as _patch_writer
+from vllm_patches._engine import runtime as _runtime
 
 SERIES = _series.load()
 RELEASE = Version("0.21.0")
@@ -15,7 +19,7 @@ RELEASE = Version("0.21.0")
 
 def test_the_committed_fingerprints_are_what_regen_writes(pristine_v0_21_0):
     """`regen` writes them next to the patches (`regen --check` proves every release fresh)."""
-    files = _patches.render(SERIES, RELEASE, pristine_v0_21_0)
+    files = _patch_writer.render(SERIES, RELEASE, pristine_v0_21_0)
     assert files[_fingerprint.FILE] == _patchset.committed(RELEASE)[_fingerprint.FILE]
 
 

@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 
-from vllm_patches import _series
+from vllm_patches._catalog import series as _series
 
 sys.path.insert(0, str(_series.REPO_DIR / "tools"))  # tools/ is not a package
 import gpu_kit

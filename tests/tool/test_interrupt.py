@@ -26,7 +26,7 @@ from pathlib import Path
 from conftest import git, snapshot
 from packaging.version import Version
 
-from vllm_patches import _series
+from vllm_patches._catalog import series as _series
 
 ENV = {**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}
 SERIES = _series.load()

@@ -7,10 +7,14 @@ import importlib.util
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _cache, _cli, _matrix, _patches, _releases, _series
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
-from vllm_patches._errors import UserError
-from vllm_patches._patchset import PatchSet
+from vllm_patches import _cli
+from vllm_patches._catalog import cache as _cache
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import PatchSet
+from vllm_patches._commands import matrix as _matrix
+from vllm_patches._engine import patch_writer as _patch_writer
+from vllm_patches._errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED, UserError
 
 SERIES = _series.load()
 DOC = _series.REPO_DIR / _matrix.DOC
@@ -96,13 +100,13 @@ def test_a_fix_that_does_not_splice_is_a_conflict_and_later_fixes_still_get_a_ce
             raise AssertionError("F3 must be tried without the conflicting F2")
         return []
 
-    monkeypatch.setattr(_patches, "generate", generate)
+    monkeypatch.setattr(_patch_writer, "generate", generate)
     row = _matrix.row(series, Version("0.21.0"), pristine_v0_21_0)
     assert [c.state for c in row.cells.values()] == ["patch", "conflict", "patch"]
     assert _matrix.render_notes(row) == [
         "- v0.21.0 F2 conflict: v0.21.0 has no vllm/v1/core/gone.py (overlay v1/core/gone.py)"]
 
-    monkeypatch.setattr(_patches, "generate", lambda *a: (_ for _ in ()).throw(
+    monkeypatch.setattr(_patch_writer, "generate", lambda *a: (_ for _ in ()).throw(
         UserError("F1 changes nothing on v0.21.0: no overlay variant holds it")))
     row = _matrix.row(series, Version("0.21.0"), pristine_v0_21_0)
     assert row.cells["F1"].state == _matrix.NO_VARIANT
@@ -135,7 +139,7 @@ def test_matrix_command_on_cached_releases(capsys, monkeypatch, pristine_v0_21_0
 
 def test_matrix_command_exits_1_on_a_conflict(capsys, monkeypatch, pristine_v0_21_0):
     monkeypatch.setattr(_releases, "cached_releases", lambda: [Version("0.21.0")])
-    monkeypatch.setattr(_patches, "generate", lambda *a: (_ for _ in ()).throw(
+    monkeypatch.setattr(_patch_writer, "generate", lambda *a: (_ for _ in ()).throw(
         UserError("spliced vllm/x.py is not ruff-formatted")))
     assert _cli.main(["matrix", "--cached-only"]) == EXIT_REFUSED
     assert "- v0.21.0 F1 conflict: spliced vllm/x.py is not ruff-formatted" in \

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from vllm_patches import _series
+from vllm_patches._catalog import series as _series
 
 sys.path.insert(0, str(_series.REPO_DIR / "benchmarks"))  # benchmarks/ is not a package
 import _pin_window as pw

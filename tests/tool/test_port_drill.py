@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import git
 
-from vllm_patches import _releases, _series
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
 
 SERIES = _series.load()
 NEWEST = SERIES.newest
@@ -82,7 +83,7 @@ def test_a_port_is_one_bound_edit_plus_regen(repo_without_newest):
         repo, "diff", "--cached", "--numstat", "--", ".", ":!patches").splitlines()]
     assert edited == [["1", "0", "vllm_patches/series.toml"]]
     # The ported release is the series' newest and a lane again, as before the drill.
-    check = ("from vllm_patches import _series; s = _series.load(); "
+    check = ("from vllm_patches._catalog import series as _series; s = _series.load(); "
              "print(s.newest, s.lanes[-1], s.supported)")
     out = subprocess.run([sys.executable, "-c", check], cwd=repo, env=env, check=True,
                          capture_output=True, text=True).stdout.split()

@@ -6,7 +6,7 @@ on the exported series (tools/export_check.py). Here, only how a config is rewri
 
 import sys
 
-from vllm_patches import _series
+from vllm_patches._catalog import series as _series
 
 sys.path.insert(0, str(_series.REPO_DIR / "tools"))  # tools/ is not a package
 import precommit

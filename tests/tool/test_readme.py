@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _cli, _runtime, _series
+from vllm_patches import _cli
+from vllm_patches._catalog import series as _series
+from vllm_patches._engine import runtime as _runtime
 
 REPO = _series.REPO_DIR
 README_PATH = REPO / "README.md"
@@ -53,7 +55,7 @@ def possible_lines(release: Version) -> set[str]:
     for chosen in choices:
         if any(not requirements[i] <= set(chosen) for i in chosen):
             continue  # refused: a fix without one it requires (test_runtime)
-        states = _runtime.plan(SERIES, release, _runtime.selected_ids(
+        states = _runtime.fix_states(SERIES, release, _runtime.selected_ids(
             SERIES, {_runtime.ENV_FIXES: ",".join(chosen)}))
         lines.add(_runtime.Activation(release, states).line())
         for state in states:

@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _install, _runtime, _series
-from vllm_patches._runtime import ActivationError
-from vllm_patches._series import Fix, Series
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.series import Fix, Series
+from vllm_patches._engine import install as _install
+from vllm_patches._engine import runtime as _runtime
+from vllm_patches._engine.runtime import ActivationError
 
 PACKAGE = "fakevllm"
 INSTALLED = _install.INSTALLED_ATTR
@@ -836,7 +838,7 @@ def fresh_process(monkeypatch):
 
     def fake_install(series, release, ids, **where):
         calls.append((release, ids))
-        return _runtime.plan(series, release, ids)
+        return _runtime.fix_states(series, release, ids)
 
     monkeypatch.setattr(_runtime, "install", fake_install)
     monkeypatch.setattr(_runtime, "installed_version_text", lambda: "0.21.0+cpu")
@@ -882,11 +884,11 @@ def test_register_logs_one_line_once(fresh_process, caplog):
 def test_the_line_names_what_is_upstream_and_what_does_not_apply():
     f1 = make_fix("F1", [])
     f4 = make_fix("F4", [], releases=">=0.19.0", upstream_since=None)
-    states = _runtime.plan(Series((f1, f4), LANES), Version("0.33.0"), ["F1", "F4"])
+    states = _runtime.fix_states(Series((f1, f4), LANES), Version("0.33.0"), ["F1", "F4"])
     assert _runtime.Activation(Version("0.33.0"), states).line() == (
         "vllm-patches on vLLM v0.33.0: active: F4; upstream: F1 (since v0.24.0); "
         "not applicable: none")
-    states = _runtime.plan(Series((f1, f4), LANES), Version("0.18.1"), ["F4"])
+    states = _runtime.fix_states(Series((f1, f4), LANES), Version("0.18.1"), ["F4"])
     assert _runtime.Activation(Version("0.18.1"), states).line() == (
         "vllm-patches on vLLM v0.18.1: active: none; upstream: none; not applicable: F4 (needed "
         "on vLLM >=0.19.0, not on v0.18.1); not selected (VLLM_PATCHES_FIXES): F1")
@@ -895,12 +897,13 @@ def test_the_line_names_what_is_upstream_and_what_does_not_apply():
 def test_the_entry_point_is_declared():
     pyproject = tomllib.loads((_series.REPO_DIR / "pyproject.toml").read_text())
     plugins = pyproject["project"]["entry-points"][_runtime.ENTRY_POINT_GROUP]
-    assert plugins == {_runtime.ENTRY_POINT_NAME: "vllm_patches._runtime:register"}
+    assert plugins == {_runtime.ENTRY_POINT_NAME: "vllm_patches._engine.runtime:register"}
 
 
 def test_the_plugin_module_imports_without_libcst():
     """vLLM logs and skips a plugin whose module fails to import: keep that import small."""
-    code = "import sys, vllm_patches._runtime; print(sorted(m for m in sys.modules if 'libcst' in m))"
+    code = ("import sys, vllm_patches._engine.runtime\n"
+            "print(sorted(m for m in sys.modules if 'libcst' in m))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(_series.REPO_DIR)}).stdout
     assert out.strip() == "[]"
@@ -910,7 +913,7 @@ def test_the_plugin_module_imports_without_libcst():
                                            | set(SERIES.lanes)), ids=str)
 def test_the_real_overlays_compile_for_every_supported_release(release):
     """What activation would execute on ``release``: selected, compiled, not run."""
-    fixes = [s.fix for s in _runtime.plan(SERIES, release, [f.id for f in SERIES.fixes])
+    fixes = [s.fix for s in _runtime.fix_states(SERIES, release, [f.id for f in SERIES.fixes])
              if s.state == _runtime.ACTIVE]
     for item in _install._plans(fixes, release, _series.PACKAGE_DIR, "vllm"):
         for definition in item.definitions:
@@ -963,7 +966,8 @@ def on_v0_33_1(fake, tmp_path, monkeypatch):
     """A vLLM whose version says 0.33.1 (``fakevllm``), a series covering v0.33.0, and the
     fingerprints of v0.33.0's tree as regen writes them; ``install(source)`` puts the
     installed module in place. ``register()`` runs as in a vLLM process."""
-    from vllm_patches import _fingerprint, _patchset
+    from vllm_patches._catalog import patchset as _patchset
+    from vllm_patches._engine import fingerprint as _fingerprint
 
     fix = make_fix("F2", ["core/worker.py"], releases=">=0.18.0,<0.34.0", upstream_since=None)
     series = Series((fix,), LANES, covered=(Version("0.33.0"),))
@@ -1128,7 +1132,7 @@ def test_any_activation_error_starts_vllm_without_fixes_by_default(on_v0_33_1, m
 
 def test_any_error_before_the_first_change_starts_vllm_without_fixes(on_v0_33_1, monkeypatch,
                                                                      caplog):
-    from vllm_patches import _fingerprint
+    from vllm_patches._engine import fingerprint as _fingerprint
 
     caplog.set_level(logging.INFO, logger="vllm.vllm_patches")
     on_v0_33_1.install_source(HOOKED)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _patchset, _series
-from vllm_patches._patchset import PatchSet
-from vllm_patches._splice import Overlay
+from vllm_patches._catalog import patchset as _patchset
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import PatchSet
+from vllm_patches._engine.splice import Overlay
 
 SERIES = _series.load()
 FIXES = SERIES.fixes
@@ -20,8 +21,10 @@ GITHUB = re.compile(r"^https://github\.com/[\w.-]+/[\w.-]+/(issues|pull)/\d+$")
 
 
 def overlay_files() -> list[Path]:
+    """Every .py under vllm_patches/ but the machinery, whose names start with ``_``."""
     return sorted(p for p in _series.PACKAGE_DIR.rglob("*.py")
-                  if not p.name.startswith("_") and p.parent != _series.PACKAGE_DIR)
+                  if not any(part.startswith("_")
+                             for part in p.relative_to(_series.PACKAGE_DIR).parts))
 
 
 def test_series_order_names_every_fix_file_once():

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _patches, _series
-from vllm_patches._splice import (
+from vllm_patches._catalog import series as _series
+from vllm_patches._engine import patch_writer as _patch_writer
+from vllm_patches._engine.splice import (
     Overlay,
     SpliceError,
     check_bounds,
@@ -697,5 +698,5 @@ def test_a_fix_tried_alone_is_judged_by_its_own_markers(pristine_v0_21_0):
     assert [b.definition.fix for b in unstarted_bounds(paths)] == ["F2"]
     assert unstarted_bounds(paths, {"F5"}) == []
     alone = _series.Series((f5,), SERIES.lanes, SERIES.covered)
-    patches = _patches.generate(alone, Version("0.21.0"), pristine_v0_21_0)
+    patches = _patch_writer.generate(alone, Version("0.21.0"), pristine_v0_21_0)
     assert [patch.fix.id for patch in patches] == ["F5"]

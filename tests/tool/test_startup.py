@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from vllm_patches import _git, _series
-from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
+from vllm_patches import _git
+from vllm_patches._catalog import series as _series
+from vllm_patches._cli import main
+from vllm_patches._errors import EXIT_OK, EXIT_REFUSED
 
 # Modules only regen/matrix (libcst) or fetch (the network, archives) need. (pathlib
 # imports urllib.parse, argparse shutil.) packaging.specifiers is allowed: `status` says

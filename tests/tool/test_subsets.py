@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 from conftest import clone, git, run, snapshot
 
-from vllm_patches import _plan, _releases, _series
-from vllm_patches._cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._checkout import plan as _plan
+from vllm_patches._errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REFUSED
 
 SERIES = _series.load()
 COORDINATOR = "vllm/v1/core/kv_cache_coordinator.py"

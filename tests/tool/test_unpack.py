@@ -11,7 +11,7 @@ import tarfile
 
 import pytest
 
-from vllm_patches import _releases
+from vllm_patches._catalog import releases as _releases
 from vllm_patches._errors import UserError
 
 

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 from packaging.version import Version
 
-from vllm_patches import _series, _sweep
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog import sweep as _sweep
 
 SERIES = _series.load()
 SWEEP = _sweep.load(SERIES)

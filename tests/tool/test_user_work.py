@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 from conftest import clone, git, snapshot
 
-from vllm_patches import _patches, _releases, _series
-from vllm_patches._cli import EXIT_OK, EXIT_REFUSED, main
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._cli import main
+from vllm_patches._engine import patch_writer as _patch_writer
+from vllm_patches._errors import EXIT_OK, EXIT_REFUSED
 
 RELEASE = _series.Version("0.21.0")
 CHANGING = [["apply"], ["apply", "--no-commit"], ["apply", "--3way"], ["apply", "--check"],
@@ -143,7 +146,7 @@ def test_generating_patches_writes_nothing_into_the_cache(cache):
     git(cache, "prune", "--expire=now")  # a local clone copied every object of the source
     before = (snapshot(cache), git(cache, "count-objects", "-v"))
     series = _series.load()
-    assert _patches.generate(series, RELEASE, cache)
+    assert _patch_writer.generate(series, RELEASE, cache)
     assert (snapshot(cache), git(cache, "count-objects", "-v")) == before
 
 

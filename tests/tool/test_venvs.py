@@ -10,7 +10,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from vllm_patches import _series
+from vllm_patches._catalog import series as _series
 
 sys.path.insert(0, str(_series.REPO_DIR / "tools"))  # tools/ is not a package
 import lanes

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from e2e_probe import emit
+
 from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
     DecodeBenchConnector,
 )

@@ -1,8 +1,8 @@
 """A user's vLLM checkout: opening it under its repository's lock, reading what git says
-about it, and ``git am`` on it all or nothing. What a plan (``_plan``) is made of is read
-here; carrying a plan out is ``_carry``'s.
+about it, and ``git am`` on it all or nothing. What a plan (``plan``) is made of is read
+here; carrying a plan out is ``apply_revert``'s.
 
-Every verb opens the checkout under its repository's lock (``opened``, ``_lock``): a
+Every verb opens the checkout under its repository's lock (``opened``, ``lock``): a
 second run on the same repository waits for the first, or refuses, before it reads
 anything its plan is made of. A git command that fails midway is rolled back to where
 the operation started (``roll_back``); a SIGINT or SIGTERM waits for such an operation,
@@ -19,10 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_patches import _git, _interrupt, _lock, _releases
+from vllm_patches import _git, _interrupt
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog.patchset import Blobs
+from vllm_patches._checkout import lock as _lock
 from vllm_patches._errors import UserError
 from vllm_patches._git import GitError
-from vllm_patches._patchset import Blobs
 
 # Files in the git directory that mean an operation of the user's is in progress: the
 # name, what it is, how to settle it.

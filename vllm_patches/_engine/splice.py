@@ -17,8 +17,8 @@ import libcst as cst
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from vllm_patches._errors import SpliceError
-from vllm_patches._hooks import (
+from vllm_patches._catalog.series import describe_releases
+from vllm_patches._engine.hooks import (
     HOOK_KINDS,
     CallFilters,
     CallRewrite,
@@ -26,8 +26,8 @@ from vllm_patches._hooks import (
     group_call_filters,
     hook_parameters,
 )
+from vllm_patches._errors import SpliceError
 from vllm_patches._overlay import ADD, AMEND, HOOKS
-from vllm_patches._series import describe_releases
 
 MARKERS = {AMEND, ADD}
 # ruff's default line length, which vLLM keeps: the spliced text must pass ruff format.

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _series
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.series import Fix, Series
 from vllm_patches._errors import UserError
 from vllm_patches._git import Identity
-from vllm_patches._series import Fix, Series
 
 SERIES_FILE = "series"
 SERIES_HEADER = "# vllm-patches series for"  # the series file's first line

@@ -1,6 +1,6 @@
 """Counts in output: ``1 item``, ``2 items``, never ``(1 items)`` or ``item(s)``.
 
-Only the standard library, so that the runtime plugin can use it (``_runtime``).
+Only the standard library, so that the runtime plugin can use it (``_engine.runtime``).
 """
 
 from __future__ import annotations

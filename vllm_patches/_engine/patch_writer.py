@@ -16,11 +16,15 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _fingerprint, _git, _patchset, _releases, _series
+from vllm_patches import _git
+from vllm_patches._catalog import patchset as _patchset
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import PATCH_AUTHOR
+from vllm_patches._catalog.series import Fix, Series
+from vllm_patches._engine import fingerprint as _fingerprint
+from vllm_patches._engine.splice import Overlay, check_bounds, splice
 from vllm_patches._errors import UserError
-from vllm_patches._patchset import PATCH_AUTHOR
-from vllm_patches._series import Fix, Series
-from vllm_patches._splice import Overlay, check_bounds, splice
 
 # A fixed date keeps regenerated patches byte-identical.
 PATCH_COMMITS = replace(PATCH_AUTHOR, date="2026-11-22T00:00:00Z")

@@ -6,16 +6,23 @@ series does not cover is reported.
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _patches, _progress, _releases
-from vllm_patches._errors import UserError
-from vllm_patches._series import Fix, Series
+from vllm_patches import _progress
+from vllm_patches._catalog import cache as _cache
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.series import Fix, Series
+from vllm_patches._engine import patch_writer as _patch_writer
+from vllm_patches._errors import EXIT_OK, EXIT_REFUSED, UserError
+from vllm_patches._plural import count
 
 # A fix's cell: ``Need.UPSTREAM`` or ``Need.NOT_APPLICABLE``'s word where ``Fix.on`` says it
 # is not needed; where it is, what generating its patch gave.
@@ -63,15 +70,15 @@ def row(series: Series, release: Version, tree: Path) -> Row:
             cells[fix.id] = Cell(verdict.need.value, verdict.detail)
     needed = series.applicable(release)
     try:
-        _patches.generate(series, release, tree)
+        _patch_writer.generate(series, release, tree)
         cells.update({fix.id: Cell(PATCH) for fix in needed})
     except UserError:
         # Find the culprit: each fix on top of those before it that went in cleanly.
         clean: list[Fix] = []
         for fix in needed:
             try:
-                _patches.generate(Series((*clean, fix), series.lanes, series.covered), release,
-                                  tree)
+                _patch_writer.generate(Series((*clean, fix), series.lanes, series.covered),
+                                       release, tree)
             except UserError as exc:
                 cells[fix.id] = _failure(exc)
                 continue
@@ -165,3 +172,33 @@ def generated_notes(text: str, release: Version) -> list[str]:
     """The problem lines the generated section in ``text`` holds for ``release``."""
     return [line for line in _section(text).group(1).splitlines()
             if line.startswith(f"- v{release} ")]
+
+
+def run(args: argparse.Namespace) -> int:
+    series = _series.load()
+    if args.write_readme and args.cached_only:
+        raise UserError("--write-readme needs every covered release; drop --cached-only")
+    _patch_writer.require_ruff()
+    cached = set(_releases.cached_releases())
+    if args.cached_only:
+        releases, uncovered = [r for r in series.covered if r in cached], []
+    else:
+        releases = list(series.covered)
+        uncovered = [r for r in releases_in_range(series, _releases.sdist_releases())
+                     if r not in series.covered]
+        missing = [r for r in releases if r not in cached]
+        if missing:  # minutes of downloading: say so before the first
+            print(f"matrix: fetching {count(len(missing), 'release')} not in the cache "
+                  f"({_cache.human(_releases.download_size(missing))} to download; "
+                  "`--cached-only` skips them)", file=sys.stderr, flush=True)
+    rows = compute(series, releases)
+    sys.stdout.write(render(series, rows, uncovered))
+    if args.write_readme:
+        doc = _series.REPO_DIR / DOC
+        if not doc.is_file():
+            raise UserError(f"{doc}: no such file (run from a vllm-patches checkout)")
+        doc.write_text(replace_section(doc.read_text(),
+                                               generated_section(series, rows)))
+        print(f"wrote the matrix into {doc}")
+    broken = [r for r in rows if any(c.state in PROBLEMS for c in r.cells.values())]
+    return EXIT_REFUSED if broken or uncovered else EXIT_OK

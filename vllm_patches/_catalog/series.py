@@ -21,7 +21,7 @@ from vllm_patches._errors import UserError
 if TYPE_CHECKING:
     from packaging.specifiers import SpecifierSet
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # vllm_patches/, above _catalog/
 REPO_DIR = PACKAGE_DIR.parent
 PATCHES_DIR = REPO_DIR / "patches"
 UPSTREAM_PACKAGE = "vllm"

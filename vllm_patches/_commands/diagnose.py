@@ -12,6 +12,7 @@ correlates its lines (pairs, order, siblings, times). An unknown line is no find
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import re
@@ -27,11 +28,11 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from packaging.version import InvalidVersion, Version
 
+from vllm_patches._catalog.series import PACKAGE_DIR, specifier_set
 from vllm_patches._errors import UserError
-from vllm_patches._series import PACKAGE_DIR, specifier_set
 
 if TYPE_CHECKING:
-    from vllm_patches._series import Fix
+    from vllm_patches._catalog.series import Fix
 
 SYMPTOMS = PACKAGE_DIR / "symptoms.toml"
 # A CPU tier pinned in more than this before the engine is ready is a finding: F4's
@@ -341,7 +342,7 @@ def kvcached_hang(engine: Engine, symptom: Symptom) -> Hit | None:
     sizes = [m.count for m in engine.matches["tensor_parallel"] if m.count]
     if not engine.matches["kvcached"] or engine.matches["ready"] or max(sizes, default=1) < 2:
         return None
-    from vllm_patches._doctor import KNOWN_BAD
+    from vllm_patches._commands.doctor import KNOWN_BAD
 
     bad = next(bad for bad in KNOWN_BAD if bad.package == "kvcached")
     return Hit([], 1, f"tensor parallelism {max(sizes)}, no ready line: {bad.what}; fixed in "
@@ -394,7 +395,7 @@ class Symptom:
 
 
 def load_symptoms() -> tuple[dict[str, re.Pattern], list[Symptom]]:
-    from vllm_patches import _series
+    from vllm_patches._catalog import series as _series
 
     data = tomllib.loads(SYMPTOMS.read_text())
     fixes = {fix.id: fix for fix in _series.load().fixes}
@@ -449,7 +450,7 @@ def _fix_words(state: dict) -> str:
 
 def line(finding: dict) -> str:
     """A finding as one line: where, what, how often, on what, which fix, since when."""
-    from vllm_patches._words import count
+    from vllm_patches._plural import count
 
     seen = (f"{count(finding['requests'], 'request')} in {count(finding['lines'], 'line')}"
             if finding["requests"] else count(finding["lines"], "line"))
@@ -487,3 +488,7 @@ def report(names: list[str], as_json: bool) -> int:
         if not findings:
             print(f"no known symptom in {', '.join(names)}")
     return 1 if findings else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return report(args.logs, args.json)

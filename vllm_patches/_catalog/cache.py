@@ -17,8 +17,8 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from vllm_patches import _releases
-from vllm_patches._series import Series
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog.series import Series
 
 CHECKOUT, ARCHIVE, LEFTOVER = "checkout", "archive", "interrupted fetch"
 

@@ -1,7 +1,7 @@
 """What the series is on one checkout, worked out once: the release, each fix's state,
 the patch files, and which of the release's patches HEAD and the work tree hold.
 
-`status` prints a plan; `apply` and `revert` carry it out (``_carry``). A tree holds a
+`status` prints a plan; `apply` and `revert` carry it out (``apply_revert``). A tree holds a
 *set* of the patches, applied in series order and undone newest first. The set is
 recognized exactly from blob ids (``PatchSet.recognize``) when it can be, else git
 tries the patches in scratch indexes (``_git.scratch_env``), plainly or with ``--3way``
@@ -16,11 +16,12 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _git, _releases
-from vllm_patches._checkout import Checkout
+from vllm_patches import _git
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog.patchset import Blobs, Patch, PatchSet
+from vllm_patches._catalog.series import Fix, Need, Series
+from vllm_patches._checkout.checkout import Checkout
 from vllm_patches._errors import UserError
-from vllm_patches._patchset import Blobs, Patch, PatchSet
-from vllm_patches._series import Fix, Need, Series
 
 # Patch numbers (1-based, series order) of the release's patches a tree holds.
 Numbers = frozenset[int]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from packaging.specifiers import InvalidSpecifier
 from packaging.version import Version
 
-from vllm_patches._series import PACKAGE_DIR, REPO_DIR, Series, specifier_set
+from vllm_patches._catalog.series import PACKAGE_DIR, REPO_DIR, Series, specifier_set
 
 DATA = PACKAGE_DIR / "upstream_sweep.toml"
 DOC = REPO_DIR / "docs" / "upstream-sweep.md"

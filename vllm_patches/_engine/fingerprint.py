@@ -17,9 +17,10 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _patchset, _series
+from vllm_patches._catalog import patchset as _patchset
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.series import Series
 from vllm_patches._overlay import AMEND
-from vllm_patches._series import Series
 
 FILE = "fingerprints"
 HEADER = "# vllm-patches fingerprints of vLLM"  # the file's first line
@@ -106,7 +107,7 @@ def targets(series: Series, release: Version, root: Path) -> dict[str, list[tupl
     installs and ``regen`` splices)."""
     import libcst as cst
 
-    from vllm_patches._splice import (
+    from vllm_patches._engine.splice import (
         DOCSTRING_MEMBER,
         Overlay,
         _is_docstring,

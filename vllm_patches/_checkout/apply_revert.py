@@ -1,4 +1,4 @@
-"""Carrying out a plan (``_plan``) on a user's checkout (``_checkout``): apply or revert
+"""Carrying out a plan (``plan``) on a user's checkout (``checkout``): apply or revert
 the chosen fixes, all or nothing.
 
 The rule: the tool changes nothing it did not create. Before changing anything it
@@ -16,10 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllm_patches import _git, _interrupt
+from vllm_patches._catalog.patchset import PATCH_AUTHOR
+from vllm_patches._checkout.plan import FixStatus, Numbers, Plan, State, combined
 from vllm_patches._errors import Refused
 from vllm_patches._git import GitError
-from vllm_patches._patchset import PATCH_AUTHOR
-from vllm_patches._plan import FixStatus, Numbers, Plan, State, combined
 
 
 def _require_changeable(plan: Plan) -> None:

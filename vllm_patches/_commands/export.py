@@ -18,13 +18,16 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_patches import _git, _plan, _releases, _series
-from vllm_patches._checkout import Checkout, opened
+from vllm_patches import _git
+from vllm_patches._catalog import releases as _releases
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.patchset import PatchSet
+from vllm_patches._catalog.series import Fix, Series
+from vllm_patches._checkout import plan as _plan
+from vllm_patches._checkout.checkout import Checkout, opened
+from vllm_patches._engine.splice import Overlay
 from vllm_patches._errors import Refused, UserError
-from vllm_patches._patchset import PatchSet
-from vllm_patches._series import Fix, Series
-from vllm_patches._splice import Overlay
-from vllm_patches._words import count
+from vllm_patches._plural import count
 
 # Plain `git am` strips the subject's [Bugfix][NIXL] tags along with [PATCH k/n].
 GIT_AM = "git am --keep-non-patch"

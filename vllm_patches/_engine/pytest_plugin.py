@@ -1,6 +1,6 @@
 """pytest plugin for runtime mode: load vLLM's general plugins when pytest starts.
 
-``python -m pytest -p vllm_patches._pytest_plugin ...`` in an environment where this
+``python -m pytest -p vllm_patches._engine.pytest_plugin ...`` in an environment where this
 package is installed (so its ``vllm.general_plugins`` entry point is registered) runs
 vLLM's own ``load_general_plugins()``, the call vLLM's engine core and workers make,
 before any test is collected. The fixes then reach the tests the way they reach a
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_patches import _runtime
+from vllm_patches._engine import runtime as _runtime
 
 
 def pytest_configure(config: pytest.Config) -> None:

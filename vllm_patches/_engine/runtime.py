@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from vllm_patches import _install, _series
-from vllm_patches._install import ActivationError, PartlyInstalled
-from vllm_patches._series import Need, Series
-from vllm_patches._words import count, word
+from vllm_patches._catalog import series as _series
+from vllm_patches._catalog.series import Need, Series
+from vllm_patches._engine import install as _install
+from vllm_patches._engine.install import ActivationError, PartlyInstalled
+from vllm_patches._plural import count, word
 
 if TYPE_CHECKING:
-    from vllm_patches._install import Installed
-    from vllm_patches._series import Fix
+    from vllm_patches._catalog.series import Fix
+    from vllm_patches._engine.install import Installed
 
 ENV_DISABLE = "VLLM_PATCHES_DISABLE"
 ENV_FIXES = "VLLM_PATCHES_FIXES"
@@ -221,7 +222,7 @@ def release_basis(text: str, series: Series, ids: list[str], allow_unsupported: 
     ``allow_unsupported``, it runs as itself (a development build as its base release),
     at the operator's risk.
     """
-    from vllm_patches import _fingerprint
+    from vllm_patches._engine import fingerprint as _fingerprint
 
     hint = (f"set {ENV_ALLOW_UNSUPPORTED}=1 to activate the fixes anyway, at your own risk, or "
             f"{ENV_DISABLE}=1 to run without them")
@@ -259,7 +260,7 @@ def release_basis(text: str, series: Series, ids: list[str], allow_unsupported: 
     raise ActivationError(f"{why}; {hint}")
 
 
-def plan(series: Series, release: Version, ids: list[str]) -> list[FixState]:
+def fix_states(series: Series, release: Version, ids: list[str]) -> list[FixState]:
     """Per fix of the series: what activation does on ``release`` (ACTIVE = install it)."""
     states = []
     for fix in series.fixes:
@@ -335,7 +336,7 @@ def needed_fixes(series: Series, ids: list[str], release: Version | None) -> lis
     """The fixes of ``ids`` that ``release`` needs (all of them when it is unknown)."""
     if release is None:
         return ids
-    return [s.fix.id for s in plan(series, release, ids) if s.state == ACTIVE]
+    return [s.fix.id for s in fix_states(series, release, ids) if s.state == ACTIVE]
 
 
 def register() -> None:
@@ -353,7 +354,7 @@ def install(series: Series, release: Version, ids: list[str], *,
             package: str = _series.UPSTREAM_PACKAGE) -> list[FixState]:
     """Install the fixes ``ids`` needs on ``release`` into the live ``package`` (``root``
     holds the overlays; ``_install.install``); re-entrant."""
-    states = plan(series, release, ids)
+    states = fix_states(series, release, ids)
     wanted = [s.fix for s in states if s.state == ACTIVE]
     if not wanted:
         return states

@@ -11,6 +11,7 @@ the fixes out whatever vLLM runs (``VLLM_PLUGINS`` without this plugin, an unkno
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import os
@@ -20,8 +21,9 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-from vllm_patches import _runtime, _series
-from vllm_patches._errors import UserError
+from vllm_patches._catalog import series as _series
+from vllm_patches._engine import runtime as _runtime
+from vllm_patches._errors import EXIT_OK, EXIT_REFUSED, UserError
 
 OK, WARN, BAD = "ok", "warning", "BAD"
 # Without vLLM in this Python there is nothing the fixes could break or mend: a warning
@@ -71,7 +73,7 @@ def installed_version(distribution: str) -> str | None:
 
 def plugin_registered() -> bool:
     return any(entry.name == _runtime.ENTRY_POINT_NAME and
-               entry.value == "vllm_patches._runtime:register"
+               entry.value == "vllm_patches._engine.runtime:register"
                for entry in importlib.metadata.entry_points(group=_runtime.ENTRY_POINT_GROUP))
 
 
@@ -150,7 +152,7 @@ def _activation(environ: Mapping[str, str], load: bool, registered: bool,
             None, [], failure=reason, installed=version,
             not_active=_runtime.needed_fixes(series, ids, _runtime.base_release(version)))
         return None, [*findings, *policy(refused, registered)], ""
-    activation = _runtime.Activation(basis.release, _runtime.plan(series, basis.release, ids),
+    activation = _runtime.Activation(basis.release, _runtime.fix_states(series, basis.release, ids),
                                      basis=basis)
     return activation, [*findings, *policy(activation, registered)], \
         "would be activated by the plugin (not loaded here)"
@@ -262,3 +264,11 @@ def report(tensor_parallel_size: int | None = None, environ: Mapping[str, str] |
                                if vllm is None
                                else "no known problem"))
     return lines, bad
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size must be 1 or more, not {args.tensor_parallel_size}")
+    lines, bad = report(args.tensor_parallel_size, load=not args.no_load)
+    print("\n".join(lines))
+    return EXIT_REFUSED if bad else EXIT_OK

@@ -30,8 +30,8 @@ from vllm_patches._overlay import ADD, AMEND, HOOKS
 if TYPE_CHECKING:
     from packaging.version import Version
 
-    from vllm_patches._hooks import CallFilters, CallRewrite
-    from vllm_patches._series import Fix
+    from vllm_patches._catalog.series import Fix
+    from vllm_patches._engine.hooks import CallFilters, CallRewrite
 
 # Set on each upstream module that received definitions: fix id -> what was installed.
 INSTALLED_ATTR = "__vllm_patches_installed__"
@@ -211,7 +211,7 @@ def _plans(fixes: list[Fix], release: Version, root: Path, package: str) -> list
     """Parse every overlay of ``fixes``, select the variants for ``release``, order them."""
     import libcst as cst
 
-    from vllm_patches._splice import Overlay
+    from vllm_patches._engine.splice import Overlay
 
     ids = [fix.id for fix in fixes]
     plans = []
@@ -265,7 +265,7 @@ def _marker_name(decorator: ast.expr) -> str | None:
 
 
 def _definition(parsed, node: ast.stmt) -> _Definition:
-    from vllm_patches._splice import MARKERS, _is_docstring, _member_name
+    from vllm_patches._engine.splice import MARKERS, _is_docstring, _member_name
 
     node.decorator_list = [d for d in node.decorator_list if _marker_name(d) not in MARKERS]
     members = []
@@ -352,7 +352,7 @@ def _in_source(module: types.ModuleType, definition: _Definition,
     """Whether the upstream module's source file already holds ``definition`` verbatim
     (an amended class: its members but those in ``replaced``; a ``__doc__`` member as the
     class docstring, where the splice puts it)."""
-    from vllm_patches._splice import DOCSTRING_MEMBER
+    from vllm_patches._engine.splice import DOCSTRING_MEMBER
     path = getattr(module, "__file__", None)
     tree = _source_tree(path) if path and path.endswith(".py") else None
     if tree is None:
@@ -389,7 +389,7 @@ def _in_source(module: types.ModuleType, definition: _Definition,
 
 def _validate(item: _OverlayPlan, skip: set[str]) -> None:
     """Every target of the overlay's definitions exists (or, for @add, does not)."""
-    from vllm_patches._hooks import HOOK_KINDS, CallRewrite, ReturnHook
+    from vllm_patches._engine.hooks import HOOK_KINDS, CallRewrite, ReturnHook
 
     namespace = item.module.__dict__
     where = f"{item.overlay} -> {item.module_name}"
@@ -449,7 +449,7 @@ def _check_dataclass_amendable(cls: type, fix: str, where: str) -> None:
 
 
 def _install_overlay(item: _OverlayPlan, skip: set[str]) -> list[Installed]:
-    from vllm_patches._splice import missing_imports
+    from vllm_patches._engine.splice import missing_imports
 
     module = item.module
     namespace = module.__dict__
@@ -520,7 +520,7 @@ def _unwrapped_functions(value: Any) -> list[types.FunctionType]:
 def _call_filters(definitions: list[_Definition]) -> CallFilters:
     """The call filters of ``definitions`` per (upstream class, method), as the splice
     groups them (``_hooks.group_call_filters``)."""
-    from vllm_patches._hooks import group_call_filters
+    from vllm_patches._engine.hooks import group_call_filters
 
     return group_call_filters((d.name, m.hook, m.name, m.hook_parameters) for d in definitions
                               if d.amends_class for m in d.members if m.hook)
@@ -532,7 +532,7 @@ def _amend_class(cls: type, partial: type, definition: _Definition,
 
     ``call_filters``: those of the overlay's definitions not installed yet; the first
     definition that filters calls in a method recompiles it once with all of them."""
-    from vllm_patches._hooks import HOOK_KINDS
+    from vllm_patches._engine.hooks import HOOK_KINDS
 
     # Zero-argument super() and __class__ refer to the cell of the class body that
     # defined the function: point it at the live class.
@@ -581,8 +581,8 @@ def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str, CallR
     the text of the file, so a second recompile would lose the first one's rewrite."""
     import libcst as cst
 
+    from vllm_patches._engine.hooks import filter_calls
     from vllm_patches._errors import SpliceError
-    from vllm_patches._hooks import filter_calls
 
     where = f"{fix}: {cls.__module__}.{cls.__qualname__}.{target}".lstrip(": ")
     original = cls.__dict__[target]
@@ -615,7 +615,7 @@ def _hook_into(cls: type, name: str, member: _Member, call_filters: CallFilters)
     """Change upstream ``cls.<target>`` as the spliced hook call would change it, with the
     hook kind's own runtime change (``_hooks.HOOK_KINDS``; ``name``: the upstream class's
     name, as ``call_filters`` knows it)."""
-    from vllm_patches._hooks import HOOK_KINDS, CallRewrite
+    from vllm_patches._engine.hooks import HOOK_KINDS, CallRewrite
 
     kind, target = HOOK_KINDS[member.hook[0]], member.hook[1]  # type: ignore[index]
     method = member.name
