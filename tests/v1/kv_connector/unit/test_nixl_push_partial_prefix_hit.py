@@ -113,7 +113,7 @@ def producer(dist_world, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             hand_shake_latency=0,
             kv_cache_config=kv_cache_config,
         )
-    for name in ("transfer_topo", "src_xfer_handles_by_block_size"):
+    for name in ("transfer_topo", "src_xfer_handles_by_block_size", "kv_cache_layout"):
         setattr(worker, name, getattr(fake, name))
     if hasattr(fake, "src_blocks_data"):
         worker.src_blocks_data = fake.src_blocks_data
