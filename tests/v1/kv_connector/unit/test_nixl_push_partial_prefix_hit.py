@@ -15,8 +15,6 @@ descriptor is its id).
 """
 
 import contextlib
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,11 +22,6 @@ from typing import Any
 import pytest
 
 from vllm.config import set_current_vllm_config
-from vllm.distributed import (
-    cleanup_dist_env_and_memory,
-    init_distributed_environment,
-    initialize_model_parallel,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -36,9 +29,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from .test_nixl_connector import FakeNixlConnectorWorker, FakeNixlWrapper
+from .test_nixl_push_aborted_child import dist_world as push_world
 from .utils import create_vllm_config, make_kv_cache_config
 
+# The distributed world is set up once for the module (dist_world).
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
+
+# The fixture that makes the push workers' distributed world, under its name.
+dist_world = push_world
 
 DECODER = FakeNixlConnectorWorker.REMOTE_ENGINE_ID
 
@@ -50,47 +48,11 @@ class WriteRecorder(FakeNixlWrapper):
         super().__init__(*args, **kwargs)
         self.writes: list[tuple[list[int], list[int]]] = []
 
-    def make_prepped_xfer(
-        self,
-        xfer_type: str,
-        local_xfer_side_handle: int,
-        local_block_descs_ids: Any,
-        remote_xfer_side_handle: int,
-        remote_block_descs_ids: Any,
-        notif_msg: bytes | None = None,
-    ) -> int:
-        local = [int(d) for d in local_block_descs_ids]
-        self.writes.append((local, [int(d) for d in remote_block_descs_ids]))
-        return super().make_prepped_xfer(
-            xfer_type,
-            local_xfer_side_handle,
-            local_block_descs_ids,
-            remote_xfer_side_handle,
-            remote_block_descs_ids,
-            notif_msg=notif_msg,
-        )
-
-
-@pytest.fixture(scope="module")
-def dist_world() -> Iterator[None]:
-    """A torch.distributed world of size 1 on CPU, for the push worker."""
-    fd, path = tempfile.mkstemp()
-    os.close(fd)
-    try:
-        with set_current_vllm_config(create_vllm_config()):
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                distributed_init_method=f"file://{path}",
-                local_rank=0,
-                backend="gloo",
-            )
-            initialize_model_parallel(1, 1)
-        yield
-    finally:
-        cleanup_dist_env_and_memory()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> int:
+        # ("WRITE", local handle, local descs, remote handle, remote descs, ...)
+        local, remote = args[2], args[4]
+        self.writes.append(([int(d) for d in local], [int(d) for d in remote]))
+        return super().make_prepped_xfer(*args, **kwargs)
 
 
 @pytest.fixture
