@@ -17,12 +17,21 @@ NIXL push mode (v0.24+), worker side:
   upstream reported only requests it receives for, so every pushed prompt was held
   until its lease. A request with a failed WRITE (posted or not) is not reported,
   even when a sibling WRITE completes later: its lease releases it.
+- F19 (producer side, up to v0.27; upstream since v0.28.0): a decoder with a partial
+  prefix hit registers only its blocks after the cached prefix, and they get the
+  producer's last blocks of the prompt; upstream's _xfer_blocks paired them with its
+  first ones, so the decoder decoded from the start of the prompt's KV in place of
+  its end (vllm-project/vllm#48633). Where a logical block holds a different number
+  of kernel blocks on the two sides (heterogeneous TP of a hybrid model), an
+  attention group's surplus is allocation rounding at the end, and blocks of another
+  size are mapped by _xfer_blocks itself: both keep upstream's pairing.
 """
 
 import heapq
 import queue
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -35,6 +44,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     ReqId,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
+    ReadSpec,
+    _is_ssm_spec,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
@@ -699,6 +712,40 @@ class NixlPushConnectorWorker:
             "producer paired with it.",
             req_id,
         )
+
+
+@amend("F19", ">=0.24.0")
+class NixlPushConnectorWorker:
+    """F19: a decoder's partial prefix hit gets the tail of the prompt."""
+
+    @redirect_call_in("_xfer_blocks_for_req", "self._xfer_blocks")
+    def _xfer_uncached_tail(
+        self, read_spec: ReadSpec, dst_engine_id: str, **kwargs: Any
+    ) -> Any:
+        """WRITE one decoder rank its blocks, paired from the end of the prompt."""
+        spec = self._pair_from_the_end(read_spec, dst_engine_id)
+        return self._xfer_blocks(read_spec=spec, dst_engine_id=dst_engine_id, **kwargs)
+
+    def _pair_from_the_end(self, spec: ReadSpec, engine_id: str) -> ReadSpec:
+        """Where this producer holds more blocks of a group than the decoder
+        registered, only its last ones: the decoder's prefix cache holds the rest
+        (kept as it is where the two sides' kernel blocks differ in size or layout)."""
+        assert self.transfer_topo is not None
+        remote = self.transfer_topo.get_engine_info(engine_id)
+        if self.transfer_topo.block_size_ratio(remote.remote_block_size) != 1:
+            return spec
+        same_layout = (
+            remote.remote_physical_blocks_per_logical
+            == self._physical_blocks_per_logical_kv_block
+        )
+        ours = list(spec.local_block_ids)
+        for group, theirs in enumerate(spec.remote_block_ids[: len(ours)]):
+            surplus = len(ours[group]) - len(theirs)
+            if surplus <= 0:
+                continue
+            if same_layout or _is_ssm_spec(self._group_spec_types[group]):
+                ours[group] = list(ours[group][surplus:])
+        return replace(spec, local_block_ids=ours)
 
 
 @amend("F18", ">=0.30.0")
