@@ -5,8 +5,6 @@
 NIXL decode scheduler heartbeats (KV leases, from v0.22; ``NixlConnectorScheduler``
 in ``nixl/scheduler.py`` up to v0.23): F6 keeps a shared prompt heartbeated until its
 last child stops, F7 keeps a bound on each prompt's lease, F8 marks posted READs.
-F5 (v0.29+) has a step that notifies full local hits start its KV work before the
-forward pass.
 """
 
 import dataclasses
@@ -29,28 +27,7 @@ from vllm_patches._overlay import (
 )
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
-
-
-@amend("F5", ">=0.29.0")
-class NixlBaseConnectorScheduler:
-    """F5: full-hit notifications leave before the step's forward pass (v0.29+)."""
-
-    @filter_result_of("build_connector_meta")
-    def _notify_full_hits_before_forward(
-        self, meta: NixlConnectorMetadata, scheduler_output: "SchedulerOutput"
-    ) -> NixlConnectorMetadata:
-        """The step's metadata; a step that notifies the producer of a full local
-        prefix hit (the children PromptReads answers 0 tokens) starts its KV work
-        before the forward pass, as every step did up to v0.28. From v0.29 a step
-        without sync loads starts it after the forward, which on a synchronous
-        backend delays the notifications by the whole pass, past the lease."""
-        if scheduler_output.has_sync_kv_loads:
-            return meta
-        if any(not any(recv.local_block_ids) for recv in meta.reqs_to_recv.values()):
-            scheduler_output.has_sync_kv_loads = True
-        return meta
 
 
 @amend("F6", ">=0.24.0")
