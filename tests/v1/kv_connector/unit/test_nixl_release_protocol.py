@@ -530,11 +530,11 @@ def test_decoder_step_longer_than_the_lease(make_producer, monkeypatch):
 )
 def test_decoder_step_longer_than_the_lease_after_a_read(make_producer, monkeypatch):
     """Decoder TP 2 over producer TP 1: the READ of an n = 4 prompt completes on
-    both ranks, and the step after it, the one whose metadata sends the other
-    children's full-hit notifications, outlasts the lease extension (a TP-2 CPU
-    decoder's first forward pass: 13 s against an 8 s extension in a real v0.32.0
-    pair, and the producer released all 8 siblings of two n = 4 prompts by lease,
-    then logged the 12 late notifications as invalid KV). The producer must not
+    both ranks during a step that outlasts the lease extension, so the other
+    children's full-hit notifications leave only with the next step (a TP-2 CPU
+    decoder's first forward pass took 13 s against an 8 s extension in a real
+    v0.32.0 pair; F5 sends them before the pass of the step that carries them, but
+    not before the pass during which the READ completes). The producer must not
     release the prompt before those notifications."""
     machine = ReleaseProtocol(make_producer, monkeypatch)
     if not machine.producer.has_heartbeats:
