@@ -271,6 +271,16 @@ def decoder_args(decoder: str) -> dict[str, Any]:
             "max_model_len": (DECODER_BLOCKS - 1) * block_size()}
 
 
+def decoder_tp_args(tp: int) -> dict[str, Any]:
+    """The engine arguments of a decoder with ``tp`` tensor-parallel ranks (CPU workers):
+    its ranks' OpenMP threads unbound (vLLM refuses more bound workers than NUMA nodes,
+    "Not enough topology domains") and one thread each, as a TP-1 engine bound to its core."""
+    if tp == 1:
+        return {}
+    return {"tensor_parallel_size": tp,
+            "probe_env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}}
+
+
 def fixes_env(fixes: str | None) -> dict[str, str]:
     """The plugin's switches for an engine of its own fix set, as an operator who
     upgrades prefill and decode engines separately runs them: "none" (the plugin
@@ -408,7 +418,11 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     ``args["decoder"]``, "loaded" (the default) or "roomy" (``decoder_args``);
     ``args["decode_tokens"]`` (``DECODE_TOKENS``); ``args["prompt_blocks"]``, the
     burst's full blocks per prompt (``PROMPT_FULL_BLOCKS``); ``args["expiry"]``, false to end
-    after the drain (no expiry step; nothing after the drain is then recorded).
+    after the drain (no expiry step; nothing after the drain is then recorded);
+    ``args["lease"]``, both engines' lease (``NIXL_EXPIRY_S``); ``args["decoder_tp"]``,
+    the decoder's tensor-parallel size over the producer's 1 (``decoder_tp_args``);
+    ``args["warm_up"]``, false to start with the burst (the decoder's first forward
+    pass then comes right after its first READs).
 
     1. warm-up: one prompt with n=1 through the pair (the decoder's NIXL handshake);
     2. burst: one prompt per entry of ``args["samples"]`` (its n), prefilled all at once,
@@ -433,17 +447,20 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
         # Both at once: each engine computes on its own core.
         connector = args["connector"]
         fixes = args.get("fixes", {})
+        lease = args.get("lease", NIXL_EXPIRY_S)
         producer = nixl_server("producer", run_dir, 8100, 5600, core=0, connector=connector,
-                               fixes=fixes.get("producer"))
+                               fixes=fixes.get("producer"), lease=lease)
         servers.append(producer)
         decoder = nixl_server("decoder", run_dir, 8200, 5601, core=1, connector=connector,
-                              fixes=fixes.get("decoder"),
-                              **decoder_args(args.get("decoder", "loaded")))
+                              fixes=fixes.get("decoder"), lease=lease,
+                              **decoder_args(args.get("decoder", "loaded")),
+                              **decoder_tp_args(args.get("decoder_tp", 1)))
         servers.append(decoder)
         ready = {"producer_s": round(producer.wait_ready(), 1),
                  "decoder_s": round(decoder.wait_ready(), 1)}
-        decode(decoder, prefill(producer, list(range(500, 500 + prompt_tokens())), 1))
-        drain(producer, producer_probe, decoder_notifications_sent(decoder_probe))
+        if args.get("warm_up", True):
+            decode(decoder, prefill(producer, list(range(500, 500 + prompt_tokens())), 1))
+            drain(producer, producer_probe, decoder_notifications_sent(decoder_probe))
         # The burst's own notifications are counted from here.
         sent_before = decoder_notifications_sent(decoder_probe)
         read_before = producer_notifications_read(producer_probe)
@@ -483,10 +500,10 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
         after_burst = producer.metrics()
         decoder_after = decoder.metrics()
         last_prefill = max(flow["t_prefilled"] for flow in flows)
-        expired_early = t_drained > last_prefill + NIXL_EXPIRY_S
+        expired_early = t_drained > last_prefill + lease
         t_expired, after_expiry = t_drained, None
         if args.get("expiry", True):
-            time.sleep(max(0.0, last_prefill + NIXL_EXPIRY_S + 1 - time.monotonic()))
+            time.sleep(max(0.0, last_prefill + lease + 1 - time.monotonic()))
             poke(producer)
             poke(producer)
             t_expired = time.monotonic()
@@ -495,7 +512,7 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
         for server in servers:
             server.stop()
     return {
-        "connector": connector, "ready": ready, "expiry_s": NIXL_EXPIRY_S,
+        "connector": connector, "ready": ready, "expiry_s": lease,
         "block_size": block_size(), "prompt_tokens": tokens, "flows": flows,
         "busy_requests": busy_requests, "notifications_sent": sent,
         "notifications_read": producer_notifications_read(producer_probe) - read_before,

@@ -134,21 +134,24 @@ class Producer:
         self._metadata_cls = connector_module().NixlConnectorMetadata
 
     # -- decoders ------------------------------------------------------------
-    def notify(self, req_id: str, consumers: int = 1, times: int = 1) -> None:
-        """Queue ``times`` pull-complete notifications for ``req_id``.
+    def notify(
+        self, req_id: str, consumers: int = 1, times: int = 1, agent: str = "decode"
+    ) -> None:
+        """Queue ``times`` pull-complete notifications for ``req_id`` from the
+        decode worker whose NIXL agent is ``agent``.
 
-        The worker reads them at its next ``finished_sending()``.
+        The worker reads them at its next ``finished_sending()``, agent by agent.
 
         ``consumers`` is what the decoder puts in the message: its TP size up
         to v0.28, the expected number of notifications from v0.29. With a
         producer TP of 1 both are the number of decode workers reading it.
         """
         message = f"{req_id}:{consumers}".encode()
-        self.worker.nixl_wrapper.pending["decode"].extend([message] * times)
+        self.worker.nixl_wrapper.pending[agent].extend([message] * times)
 
-    def heartbeat(self, *req_ids: str) -> None:
+    def heartbeat(self, *req_ids: str, agent: str = "decode") -> None:
         message = ("HB:" + ",".join(req_ids)).encode()
-        self.worker.nixl_wrapper.pending["decode"].append(message)
+        self.worker.nixl_wrapper.pending[agent].append(message)
 
     # -- scheduler -----------------------------------------------------------
     def step(

@@ -19,8 +19,9 @@ clock) and the real decoder-side scheduler connector (its heartbeat bookkeeping:
 "HB:id1,id2" notifications): prefills registered with the producer (some siblings
 registering late), the children of a prompt admitted together, READs started and
 completed on each of 1 or 2 decode ranks (decoder TP 2 over producer TP 1: two
-notifications per READ; each rank marks the READ it posts in a heartbeat, as a decode
-worker does), bare notifications of children that hit the decoder's
+notifications per READ, each from its rank's own NIXL agent, which the producer reads
+agent by agent; each rank marks the READ it posts in a heartbeat, as a decode worker
+does), bare notifications of children that hit the decoder's
 prefix cache after a sibling child's READ, children finished and aborted, decoder
 steps (each shorter than the heartbeat interval: a live decoder) and a clock jump
 past the lease while no child needs a held prompt. Checked throughout: no READ
@@ -195,11 +196,19 @@ class ReleaseProtocol(RuleBasedStateMachine):
                         f"{req_id} released while {readers} still READ it"
                     )
 
-    def notify(self, prompt: Prompt, times: int) -> None:
-        """Pull-complete notifications of the decode ranks, as the worker sends
-        them (the count it puts in the message: the decoder's TP over the
-        producer's 1)."""
-        self.producer.notify(prompt.read, self.ranks, times=times)
+    def notify(self, prompt: Prompt, ranks: range | list[int]) -> None:
+        """A pull-complete notification from each of ``ranks``, as its worker
+        sends them (the count it puts in the message: the decoder's TP over the
+        producer's 1). Each decode rank is a NIXL agent of its own: the producer
+        reads one agent's notifications, then the next's."""
+        for rank in ranks:
+            self.producer.notify(prompt.read, self.ranks, agent=f"decode-{rank}")
+
+    def heartbeat(self, *req_ids: str) -> None:
+        """The same heartbeat from every decode rank (each sends what the
+        scheduler's metadata names)."""
+        for rank in range(self.ranks):
+            self.producer.heartbeat(*req_ids, agent=f"decode-{rank}")
 
     def children(self, *states: str, aborted: bool | None = False) -> list:
         """(prompt, child) pairs of children in ``states``."""
@@ -231,11 +240,10 @@ class ReleaseProtocol(RuleBasedStateMachine):
         output = _empty_scheduler_output()
         metadata = self.decoder.build_connector_meta(output)
         for engine_info in (metadata.heartbeat_by_engine or {}).values():
-            for _ in range(self.ranks):
-                self.producer.heartbeat(*engine_info.req_ids)
+            self.heartbeat(*engine_info.req_ids)
         for prompt, child in self.children("aborted_waiting", aborted=True):
             if child.request.request_id in metadata.reqs_to_recv:
-                self.notify(prompt, self.ranks)
+                self.notify(prompt, range(self.ranks))
                 child.state = "aborted"
                 child.done_at = self.clock.now
         self.poll()
@@ -329,8 +337,7 @@ class ReleaseProtocol(RuleBasedStateMachine):
         child.state = "reading"
         # Each decode rank, once it posted its READ, marks it in a heartbeat: the
         # producer holds the prompt until the READ's notification.
-        for _ in range(self.ranks):
-            self.producer.heartbeat(prompt.read, f"{READ_POSTED_MARK}{prompt.read}")
+        self.heartbeat(prompt.read, f"{READ_POSTED_MARK}{prompt.read}")
         # What update_state_after_alloc does once the READ is scheduled.
         assert child.request.kv_transfer_params is not None
         child.request.kv_transfer_params["do_remote_prefill"] = False
@@ -355,7 +362,7 @@ class ReleaseProtocol(RuleBasedStateMachine):
 
     def _complete_read(self, prompt: Prompt, child: Child, rank: int) -> None:
         child.ranks_done.add(rank)
-        self.notify(prompt, 1)
+        self.notify(prompt, [rank])
         if len(child.ranks_done) == self.ranks:
             child.state = "aborted" if child.aborted else "arrived"
             child.done_at = self.clock.now
@@ -382,7 +389,7 @@ class ReleaseProtocol(RuleBasedStateMachine):
         child.done_at = self.clock.now
         assert child.request.kv_transfer_params is not None
         child.request.kv_transfer_params["do_remote_prefill"] = False
-        self.notify(prompt, self.ranks)
+        self.notify(prompt, range(self.ranks))
         self.poll()
 
     @precondition(lambda self: self.children("arrived", "notified"))
@@ -513,6 +520,36 @@ def test_decoder_step_longer_than_the_lease(make_producer, monkeypatch):
     machine.decoder_step(LEASE)
     machine._complete_read(prompt, prompt.children[0], 0)
     machine.drain()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: heartbeats ride the decoder's steps (vllm PR 41383), so the "
+    "producer cannot tell this decoder from one killed after its READ "
+    "(test_decoder_killed_after_its_read)",
+)
+def test_decoder_step_longer_than_the_lease_after_a_read(make_producer, monkeypatch):
+    """Decoder TP 2 over producer TP 1: the READ of an n = 4 prompt completes on
+    both ranks during a step that outlasts the lease extension, so the other
+    children's full-hit notifications leave only with the next step (a TP-2 CPU
+    decoder's first forward pass took 13 s against an 8 s extension in a real
+    v0.32.0 pair; F5 sends them before the pass of the step that carries them, but
+    not before the pass during which the READ completes). The producer must not
+    release the prompt before those notifications."""
+    machine = ReleaseProtocol(make_producer, monkeypatch)
+    if not machine.producer.has_heartbeats:
+        pytest.skip("KV leases and heartbeats exist from v0.22")
+    machine.ranks = 2
+    prompt = machine.register([f"{i}_{parent_id(0)}" for i in range(4)], set())
+    machine.admit(prompt)
+    machine.decoder_step(MAX_STEP)
+    machine._start_read(prompt, prompt.children[0])
+    for rank in range(machine.ranks):
+        machine._complete_read(prompt, prompt.children[0], rank)
+    machine.clock.now += LEASE  # one decoder step; the producer steps on
+    machine.poll()
+    released = sorted(set(prompt.siblings) & machine.released.keys())
+    assert not released, f"{released} released by lease while 3 children still wait"
 
 
 def test_decoder_killed_after_its_read(make_producer, monkeypatch):

@@ -3,7 +3,8 @@
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py``.
 
 NIXL decode scheduler side: F5 reads a parallel-sampling prompt once
-(``PromptReads``), F12 registers it once in push mode (``PromptWrites``). Up to v0.19
+(``PromptReads``) and sends its full-hit notifications before a step's forward pass
+(v0.29+), F12 registers it once in push mode (``PromptWrites``). Up to v0.19
 in ``nixl_connector.py``; from v0.24 in ``NixlBaseConnector`` and ``NixlPullConnector``.
 """
 
@@ -18,6 +19,8 @@ from vllm_patches._overlay import amend, call_at_end_of, redirect_call_in
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 
@@ -69,6 +72,30 @@ class NixlBaseConnector:
     ) -> tuple[bool, dict[str, Any] | None]:
         """The same for hybrid models (one block list per KV cache group)."""
         return self._finish_remote_prompt(request, block_ids)
+
+
+@amend("F5", ">=0.29.0")
+class NixlBaseConnector:
+    """F5: full-hit notifications leave before the step's forward pass (v0.29+)."""
+
+    @redirect_call_in(
+        "build_connector_meta", "self.connector_scheduler.build_connector_meta"
+    )
+    def _notify_full_hits_before_forward(
+        self, scheduler_output: "SchedulerOutput"
+    ) -> "KVConnectorMetadata":
+        """Upstream's metadata; a step that notifies the producer of a full local
+        prefix hit (the children PromptReads answers 0 tokens) starts its KV work
+        before the forward pass, as every step did up to v0.28. From v0.29 a step
+        without sync loads starts it after the forward, which on a synchronous
+        backend delays the notifications by the whole pass, past the lease."""
+        assert self.connector_scheduler is not None
+        meta = self.connector_scheduler.build_connector_meta(scheduler_output)
+        if not scheduler_output.has_sync_kv_loads and any(
+            not any(recv.local_block_ids) for recv in meta.reqs_to_recv.values()
+        ):
+            scheduler_output.has_sync_kv_loads = True
+        return meta
 
 
 @amend("F5", ">=0.24.0")
