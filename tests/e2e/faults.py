@@ -74,8 +74,11 @@ STALL_S = LEASE_S + 2
 class Pair:
     """The producer and the decoder of a run, restartable under new names."""
 
-    def __init__(self, run_dir: Path, connector: str) -> None:
+    def __init__(self, run_dir: Path, connector: str,
+                 waves: list[tuple[int, int, int, int]] | None = None) -> None:
         self.run_dir, self.connector = run_dir, connector
+        # The waves case's prompts (``WAVES`` unless the run names others).
+        self.waves = waves or WAVES
         self.starts = {"producer": 0, "decoder": 0}
         self.producer = self._start("producer")
         self.decoder = self._start("decoder")
@@ -223,20 +226,21 @@ def past_lease(pair: Pair, since: float) -> dict[str, Any]:
 
 
 def waves(pair: Pair, seed: int) -> dict[str, Any]:
+    spec = pair.waves
     prompts = [tokens_of(blocks, tail, seed + 1000 * i)
-               for i, (_, blocks, tail, _) in enumerate(WAVES)]
-    with ThreadPoolExecutor(len(WAVES)) as pool:
-        flows = list(pool.map(lambda i: prefill(pair.producer, prompts[i], WAVES[i][0]),
-                              range(len(WAVES))))
+               for i, (_, blocks, tail, _) in enumerate(spec)]
+    with ThreadPoolExecutor(len(spec)) as pool:
+        flows = list(pool.map(lambda i: prefill(pair.producer, prompts[i], spec[i][0]),
+                              range(len(spec))))
         # The last prompt's decode leg first: its children take the first waves.
         futures = []
-        for i in reversed(range(len(WAVES))):
+        for i in reversed(range(len(spec))):
             futures.append((i, pool.submit(call, pair.decoder,
-                                           decode_payload(flows[i], WAVES[i][3]))))
+                                           decode_payload(flows[i], spec[i][3]))))
             time.sleep(0.5)
         calls = {i: future.result() for i, future in futures}
     return {"flows": [flow_record(f) for f in flows], "calls": [calls[i] for i in
-                                                                  range(len(WAVES))]}
+                                                                  range(len(spec))]}
 
 
 def abort_decoding(pair: Pair, seed: int) -> dict[str, Any]:
@@ -337,7 +341,8 @@ def run(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     """Every case of ``args["cases"]`` (all by default) in order on one pair of engines
     with ``args["connector"]``; the cases that share the pair end with one lease wait."""
     cases = args.get("cases", list(CASES))
-    pair = Pair(run_dir, args["connector"])
+    pair = Pair(run_dir, args["connector"],
+                [tuple(prompt) for prompt in args["waves"]] if "waves" in args else None)
     record: dict[str, Any] = {"connector": args["connector"], "lease_s": LEASE_S,
                               "decoder_seqs": DECODER_SEQS, "ready": pair.ready, "cases": {}}
     try:

@@ -38,8 +38,10 @@ pytestmark = pytest.mark.cpu_test
 REMOTE_REQUEST_ID = "0_cmpl-parent-fb4bc0e0"
 # Two full blocks and a half one: each child needs 3 blocks for its prompt.
 PROMPT_BLOCKS = 3
-# Heartbeats in every step (upstream's interval is the lease // 6).
-EVERY_STEP = {"kv_lease_duration": 1}
+# Heartbeats in every step (upstream's interval is the lease // 6). Every child reads
+# the prompt, as upstream's decoder does: reading it once releases it for the others
+# as that read completes, and no heartbeat is left to check.
+EVERY_STEP = {"kv_lease_duration": 1, "read_prompt_once": False}
 
 
 def children_waiting(n: int, prompts_room: int, max_tokens: int) -> tuple:

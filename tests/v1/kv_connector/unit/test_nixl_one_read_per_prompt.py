@@ -279,6 +279,44 @@ def test_children_that_come_after_the_reader_finished_read_nothing():
     assert computed(late)
 
 
+def test_children_in_waves_release_the_prompt_when_it_is_read():
+    """A decoder with two seats and a prompt with n = 8 admits the children in waves,
+    long after the prompt's one READ (a real v0.32.0 pair with 120-token outputs: the
+    producer released the prompt by lease while "KV fetch: 4 waiting to start",
+    PR 41383's leases; PR 43509 assumes the decoder is done with a prompt once read).
+    As the READ completes the producer hears from every child, seated or not; the
+    later waves take the prompt from the prefix cache and never read or notify."""
+    vllm_config = create_vllm_config(max_num_seqs=2)
+    scheduler, children = queued_children(vllm_config, 8)
+    if not hasattr(scheduler.connector, "on_new_request"):
+        pytest.skip("requests reach the connector on arrival from v0.22")
+
+    pulls = Pulls()
+    started = pulls.step(scheduler, children)
+    assert len(started) == 1
+    pulls.step(scheduler, children, loaded=started)
+    pulls.step(scheduler, children)
+    waiting = [c.request_id for c in children if c.status == RequestStatus.WAITING]
+    assert len(waiting) == 8 - 2, "two seats: the others wait for one"
+    others = sorted(c.request_id for c in children if c.request_id not in started)
+    assert sorted(pulls.notified) == others, (
+        f"{len(pulls.notified)} of the {len(others)} other children told the producer "
+        "once the READ was done; the rest hold its blocks until they get a seat"
+    )
+
+    # Each wave runs a step and finishes; the next takes its seats.
+    seated: set[str] = set()
+    for _ in range(len(children)):
+        running = [c for c in children if c.status == RequestStatus.RUNNING]
+        seated |= {c.request_id for c in running}
+        for child in running:
+            scheduler.finish_requests(child.request_id, RequestStatus.FINISHED_STOPPED)
+        pulls.step(scheduler, children)
+    assert seated == {c.request_id for c in children}
+    assert list(pulls.reads) == sorted(started), pulls.reads
+    assert sorted(pulls.notified) == others, "each child notifies the producer once"
+
+
 @pytest.mark.parametrize("why", ["no prefix caching", "switched off"])
 def test_every_child_reads_without_a_prefix_cache_to_share(why):
     """Without a decoder prefix cache (or with kv_connector_extra_config

@@ -164,6 +164,36 @@ def test_other_children_release_their_prompt_at_once(make_engine, n):
     assert pair.writes == [reader]
 
 
+def test_children_waiting_for_a_seat_release_their_prompt_with_the_write(make_engine):
+    """A decoder with one seat: the registered child takes it when its WRITE is done
+    and the others wait for it to finish. The producer releases their siblings when
+    the WRITE is done, not when they get a seat (a real v0.32.0 pair, n = 4: the
+    producer released 3 siblings by lease, PR 41383's, while the decoder showed "KV
+    fetch: 3 waiting to start" for over a minute)."""
+    pair = Pair(make_engine, 4)
+    scheduler: Any = pair.decoder.scheduler
+    for seats in ("max_num_running_reqs", "max_num_active_reqs"):
+        if hasattr(scheduler, seats):
+            setattr(scheduler, seats, 1)
+    assert step_until(lambda: len(pair.writes) >= 1, pair.decoder, pair.producer)
+    pair.complete_writes()
+    reader = pair.writes[0]
+    index = int(reader.split("_", 1)[0])
+    others = [held for i, held in enumerate(pair.held) if i != index]
+    [child] = [c for c in pair.children if c.request_id == reader]
+    assert step_until(
+        lambda: child.status == RequestStatus.RUNNING, pair.decoder, pair.producer
+    ), child.status
+    pair.step()
+    states = {c.request_id: c.status for c in pair.children}
+    assert [r for r, s in states.items() if s == RequestStatus.RUNNING] == [reader], (
+        states
+    )
+    held = [r.request_id for r in others if pair.producer.holds(r)]
+    assert not held, f"the producer holds {held} until their decode children get a seat"
+    assert pair.writes == [reader]
+
+
 def test_children_that_come_after_the_first_finished_register_nothing(make_engine):
     """The front end adds the children to the engine one by one: the first can be
     served and finished before the others arrive (seen in a real pair through

@@ -56,6 +56,10 @@ class PromptReads:
         self._reads: dict[tuple[str, str], _PromptRead] = {}
         self._prompt_of: dict[str, tuple[str, str]] = {}
         self._ended: OrderedDict[tuple[str, str], bool] = OrderedDict()
+        # From v0.22 (on_new_request): every request of a prompt since its arrival,
+        # asked or not (a decoder with no free seat asks nothing).
+        self._arrivals: dict[tuple[str, str], dict[str, "Request"]] = {}
+        self._arrival_of: dict[str, tuple[str, str]] = {}
 
     @classmethod
     def for_decoder(
@@ -124,8 +128,39 @@ class PromptReads:
             reader.status == RequestStatus.WAITING and reader.num_computed_tokens == 0
         )
 
+    def arrived(self, request: "Request") -> None:
+        """``request`` reached the scheduler (on_new_request, v0.22+)."""
+        prompt = self.prompt(request)
+        if prompt is not None:
+            self._arrivals.setdefault(prompt, {})[request.request_id] = request
+            self._arrival_of[request.request_id] = prompt
+
+    def served_by(self, loaded: "set[str] | frozenset[str]") -> list["Request"]:
+        """The requests that no longer need the producer because a request among
+        ``loaded`` (finished receiving) read their prompt: each reader's prompt's other
+        requests not scheduled yet. They take the prompt from the prefix cache, or
+        compute it, whenever they are admitted: their release waits on no seat."""
+        served: list[Request] = []
+        for req_id in loaded:
+            prompt = self._prompt_of.get(req_id)
+            read = self._reads.get(prompt) if prompt is not None else None
+            if read is None or read.reader is None or read.reader.request_id != req_id:
+                continue
+            served.extend(
+                request
+                for other_id, request in self._arrivals.get(prompt, {}).items()
+                if other_id != req_id and self.prompt(request) == prompt
+            )
+        return served
+
     def finished(self, request: "Request") -> None:
         """``request`` left the scheduler: forget its prompt once no request uses it."""
+        arrival = self._arrival_of.pop(request.request_id, None)
+        if arrival is not None:
+            arrivals = self._arrivals[arrival]
+            del arrivals[request.request_id]
+            if not arrivals:
+                del self._arrivals[arrival]
         prompt = self._prompt_of.pop(request.request_id, None)
         if prompt is None:
             return

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -96,6 +97,34 @@ class NixlBaseConnector:
         ):
             scheduler_output.has_sync_kv_loads = True
         return meta
+
+
+@amend("F5", ">=0.24.0")
+@amend("F5", ">=0.22.0,<0.24.0", name="NixlConnector")
+class NixlBaseConnector:
+    """F5 (KV leases, v0.22+): a prompt's other requests stop needing the producer
+    when its one read completes, admitted or not."""
+
+    @call_at_end_of("on_new_request")
+    def _note_arrival(self, request: "Request") -> None:
+        """Every request of a remote prompt, from its arrival."""
+        if self._prompt_reads is not None:
+            self._prompt_reads.arrived(request)
+
+    @call_at_end_of("update_connector_output")
+    def _release_prompt_once_read(self, connector_output: "KVConnectorOutput") -> None:
+        """The producer releases a prompt as soon as its one read (push: WRITE) is
+        done: each other request not scheduled yet sends now what upstream sends for
+        a request that ends unscheduled (request_finished), and stops heartbeating.
+        Admitted later, it takes the prompt from the prefix cache or computes it;
+        never reads. A decoder short of seats otherwise holds the producer's blocks
+        for as long as its waves last, on heartbeats alone."""
+        reads = self._prompt_reads
+        if reads is None or not connector_output.finished_recving:
+            return
+        assert self.connector_scheduler is not None
+        for request in reads.served_by(connector_output.finished_recving):
+            self.connector_scheduler.request_finished(request, ())
 
 
 @amend("F5", ">=0.24.0")
