@@ -56,7 +56,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from venvs import UV_INSTALL_FLAGS, uv_pip_install
 
-from vllm_patches import _git, _releases, _series
+from vllm_patches import _export, _git, _releases, _series
 from vllm_patches._words import count
 
 REPO = Path(__file__).resolve().parent.parent
@@ -291,7 +291,7 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
         return [f"v{release}: apply failed: {applied.stderr.strip()}"]
     for tree, tests in ((stock, fix_tests + [t for f in landed for t in f.tests]),
                         (patched, fix_tests)):
-        for test in tests:
+        for test in tests + _export.test_helpers(tests):
             (tree / test).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / test, tree / test)
 
