@@ -1,11 +1,11 @@
-"""Shared by the F2/F3 benchmarks: run a measurement against stock and patched trees.
+"""Shared by the F2/F3/F17 benchmarks: run a measurement against stock and patched trees.
 
 A measurement runs in a subprocess whose PYTHONPATH holds one vLLM release tree
 (CPU, offline, like tools/lanes.py). Inside it, ``producer()`` builds a real NIXL
-producer worker through the harness of
-``tests/v1/kv_connector/unit/test_nixl_producer_release.py`` (gloo world of
-size 1, fake NIXL agent, fake clock), loaded from this repository against the
-tree's own ``tests/v1/kv_connector/unit/utils.py``.
+producer worker through the fix tests' harness
+``tests/v1/kv_connector/unit/nixl_harness.py`` (gloo world of size 1, fake NIXL
+agent, fake clock), loaded from this repository against the tree's own
+``tests/v1/kv_connector/unit/utils.py``.
 
 Trees: ``--stock PATH --patched PATH`` (two checkouts of one release, the second
 with the series applied), or ``--release vX.Y.Z`` to build both like a lane
@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-HARNESS = REPO / "tests/v1/kv_connector/unit/test_nixl_producer_release.py"
-HARNESS_MODULE = "tests.v1.kv_connector.unit.test_nixl_producer_release"
+HARNESS = REPO / "tests/v1/kv_connector/unit/nixl_harness.py"
+HARNESS_MODULE = "tests.v1.kv_connector.unit.nixl_harness"
 _WORLD: list = []
 
 
@@ -146,4 +147,34 @@ def run_children(script: str, python: str, trees: dict[str, Path], release: str,
 
 def child_main(measure: Callable[[dict], dict], payload: str) -> int:
     print(json.dumps(measure(json.loads(payload))))
+    return 0
+
+
+def compare(script: str, doc: str, measure: Callable[[dict], dict], setting: str,
+            timed: str, column: str, cases: dict[int, dict], goal: str = "") -> int:
+    """A benchmark's main: per case (``column``'s value: its payload), the median
+    microseconds per step on stock and patched, their ratio, and each round's ratio
+    (stock and patched ran back to back in it)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_tree_arguments(parser)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if args.measure:
+        return child_main(measure, args.measure)
+    python, trees, release = trees_from_args(args)
+    print(f"vLLM v{release}: {setting} x {args.rounds} rounds; median us per step "
+          f"({timed})")
+    print(f"{column:>6} {'stock':>8} {'patched':>8} {'patched/stock':>13}")
+    for value, payload in cases.items():
+        results = run_children(script, python, trees, release, payload, args.rounds)
+        medians = {name: statistics.median(r["median_ns"] for r in rows)
+                   for name, rows in results.items()}
+        ratio = medians["patched"] / medians["stock"]
+        print(f"{value:>6} {medians['stock'] / 1000:>8.1f} "
+              f"{medians['patched'] / 1000:>8.1f} {ratio:>13.3f}")
+        rounds = [p["median_ns"] / s["median_ns"]
+                  for s, p in zip(results["stock"], results["patched"], strict=True)]
+        print(f"{'':>6} rounds: {' '.join(f'{r:.3f}' for r in rounds)}")
+    if goal:
+        print(goal)
     return 0

@@ -13,7 +13,6 @@ Usage: python benchmarks/bench_f17_lease_reaper.py --stock TREE --patched TREE
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -44,25 +43,9 @@ def measure(payload: dict) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _nixl_producer.add_tree_arguments(parser)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    if args.measure:
-        return _nixl_producer.child_main(measure, args.measure)
-    python, trees, release = _nixl_producer.trees_from_args(args)
-    print(f"vLLM v{release}: {STEPS} steps x {args.rounds} rounds; "
-          "median us per step (the release call, nothing expires)")
-    print(f"{'leases':>6} {'stock':>8} {'patched':>8} {'patched/stock':>13}")
-    for leases in (256, 4096):
-        results = _nixl_producer.run_children(__file__, python, trees, release,
-                                              {"leases": leases}, args.rounds)
-        medians = {name: statistics.median(r["median_ns"] for r in rows)
-                   for name, rows in results.items()}
-        ratio = medians["patched"] / medians["stock"]
-        print(f"{leases:>6} {medians['stock'] / 1000:>8.1f} {medians['patched'] / 1000:>8.1f} "
-              f"{ratio:>13.3f}")
-    return 0
+    cases = {leases: {"leases": leases} for leases in (256, 4096)}
+    return _nixl_producer.compare(__file__, __doc__, measure, f"{STEPS} steps",
+                                  "the release call, nothing expires", "leases", cases)
 
 
 if __name__ == "__main__":

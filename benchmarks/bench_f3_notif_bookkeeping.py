@@ -16,7 +16,6 @@ Goal: patched/stock <= 1.10.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -62,31 +61,12 @@ def measure(payload: dict) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _nixl_producer.add_tree_arguments(parser)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    if args.measure:
-        return _nixl_producer.child_main(measure, args.measure)
-    python, trees, release = _nixl_producer.trees_from_args(args)
-    print(f"vLLM v{release}: batch {BATCH}, {STEPS} steps x {args.rounds} rounds; "
-          "median us per step (start_load_kv + release)")
-    print(f"{'staged':>6} {'stock':>8} {'patched':>8} {'patched/stock':>13}")
-    for staged in (STAGED, 0):  # the goal's case, then staging empty (the usual one)
-        payload = {"staged": staged, "batch": BATCH, "steps": STEPS}
-        results = _nixl_producer.run_children(__file__, python, trees, release, payload,
-                                              args.rounds)
-        medians = {name: statistics.median(r["median_ns"] for r in rows)
-                   for name, rows in results.items()}
-        ratio = medians["patched"] / medians["stock"]
-        print(f"{staged:>6} {medians['stock'] / 1000:>8.1f} {medians['patched'] / 1000:>8.1f} "
-              f"{ratio:>13.3f}")
-        # Each round's own ratio: stock and patched ran back to back in it.
-        rounds = [p["median_ns"] / s["median_ns"]
-                  for s, p in zip(results["stock"], results["patched"])]
-        print(f"{'':>6} rounds: {' '.join(f'{r:.3f}' for r in rounds)}")
-    print("goal: patched/stock <= 1.10 with 8192 staged")
-    return 0
+    # The goal's case, then staging empty (the usual one).
+    cases = {staged: {"staged": staged, "batch": BATCH, "steps": STEPS}
+             for staged in (STAGED, 0)}
+    return _nixl_producer.compare(__file__, __doc__, measure, f"batch {BATCH}, {STEPS} steps",
+                                  "start_load_kv + release", "staged", cases,
+                                  goal="goal: patched/stock <= 1.10 with 8192 staged")
 
 
 if __name__ == "__main__":

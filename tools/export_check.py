@@ -39,6 +39,7 @@ import precommit
 from vllm_patches import _git
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog import series as _series
+from vllm_patches._commands import export as _export
 from vllm_patches._plural import count
 
 # export signs the patches off with the git identity it finds; CI has none of its own.
@@ -125,10 +126,10 @@ def check_tests(release: Version, series: _series.Series, fixes: list[_series.Fi
         if fix.id not in exported:
             continue
         tree, _ = exported[fix.id]
-        # The tests as exported, not as this repository has them; those of the fixes it
-        # requires too (a fix test may build on theirs: F12's on F11's push pair).
+        # The tests as exported, not as this repository has them, with their helper
+        # modules; those of the fixes it requires too (a fix test may build on theirs).
         tests = exported_tests(series, fix, release)
-        for test in tests:
+        for test in tests + _export.test_helpers(tests):
             shown = subprocess.run(["git", "-C", str(tree), "show", f"HEAD:{test}"],
                                    capture_output=True, text=True, check=True).stdout
             (stock / test).parent.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ from venvs import UV_INSTALL_FLAGS, uv_pip_install
 from vllm_patches import _git
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog import series as _series
+from vllm_patches._commands import export as _export
 from vllm_patches._plural import count
 
 REPO = Path(__file__).resolve().parent.parent
@@ -293,7 +294,7 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
         return [f"v{release}: apply failed: {applied.stderr.strip()}"]
     for tree, tests in ((stock, fix_tests + [t for f in landed for t in f.tests]),
                         (patched, fix_tests)):
-        for test in tests:
+        for test in tests + _export.test_helpers(tests):
             (tree / test).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / test, tree / test)
 

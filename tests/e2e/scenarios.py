@@ -530,11 +530,11 @@ def nixl_pair(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# The fix tests' producer harness (vLLM-style test file of this repository); it builds
-# a NIXL producer worker from upstream's test utilities of the same release.
+# The fix tests' harness (a vLLM-style test module of this repository); it builds a
+# NIXL producer worker from upstream's test utilities of the same release.
 PRODUCER_HARNESS = (Path(__file__).resolve().parents[1]
-                    / "v1/kv_connector/unit/test_nixl_producer_release.py")
-PRODUCER_HARNESS_MODULE = "tests.v1.kv_connector.unit.test_nixl_producer_release"
+                    / "v1/kv_connector/unit/nixl_harness.py")
+PRODUCER_HARNESS_MODULE = "tests.v1.kv_connector.unit.nixl_harness"
 # Early requests: their pulls complete before the producer registers them.
 F3_REQUESTS = ["early-a", "early-b"]
 READ_LIMIT_S = 30

@@ -116,9 +116,24 @@ def test_exported_series_git_am_cleanly_with_tags_sign_off_and_tests(contributor
         authors = git(any_clone, "log", "--format=%an <%ae>", f"{base}..HEAD").splitlines()
         assert authors == [f"{NAME} <{EMAIL}>"] * len(fixes)
         assert SIGN_OFF in git(any_clone, "log", "-1", "--format=%b")
-        for test in (t for f in fixes for t in f.tests):
+        tests = [t for f in fixes for t in f.tests]
+        for test in tests + _export.test_helpers(tests):
             assert (any_clone / test).read_text() == (_series.REPO_DIR / test).read_text()
         git(any_clone, "reset", "--quiet", "--hard", base)
+
+
+def test_the_tests_helper_modules_are_shipped_with_them():
+    """The modules beside a fix's tests that they import and this repository has go
+    with them; upstream's own (utils.py) and other test modules do not."""
+    push_test = "tests/v1/kv_connector/unit/test_nixl_push_aborted_child.py"
+    assert _export.test_helpers([push_test]) == [
+        "tests/v1/kv_connector/unit/nixl_harness.py"]
+    assert _export.test_helpers(["tests/v1/core/test_two_phase_allocation.py"]) == []
+    for fix in SERIES.fixes:
+        export = _export.Export(fix, (fix,), (), NEWEST, "", (), ())
+        for helper in _export.test_helpers(fix.tests):
+            assert not Path(helper).name.startswith("test_")
+            assert helper in export.touched()  # a dirty one is refused
 
 
 def test_stdout_is_an_mbox_for_git_am(contributor, vllm_clone, capsys):

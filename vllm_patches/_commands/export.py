@@ -11,8 +11,10 @@ A backport (a fix upstream since a later release) is for the release branch of i
 
 from __future__ import annotations
 
+import ast
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,9 +116,11 @@ class Export:
         return self.fix.series_title if len(self.fixes) > 1 else self.fix.title
 
     def touched(self) -> list[str]:
-        """Every path the series may change: the fixes' upstream files and their tests."""
+        """Every path the series may change: the fixes' upstream files, their tests and
+        the tests' helper modules."""
+        tests = {test for f in self.fixes for test in (*f.tests, *f.test_overlays)}
         return sorted({Fix.upstream_path(o) for f in self.fixes for o in f.overlays}
-                      | {test for f in self.fixes for test in (*f.tests, *f.test_overlays)})
+                      | tests | set(test_helpers(tests)))
 
     @property
     def backport_of(self) -> Version | None:
@@ -139,6 +143,38 @@ def fix_test_file(test: str) -> Path:
         if (root / test).is_file():
             return root / test
     raise UserError(f"fix test {test} not found (install vllm-patches from its repository)")
+
+
+def _repository_file(path: str) -> Path | None:
+    try:
+        return fix_test_file(path)
+    except UserError:
+        return None
+
+
+def test_helpers(tests: Iterable[str]) -> list[str]:
+    """The modules beside ``tests`` that they import (``from .nixl_harness import``),
+    and those import, which this repository has and which are not test modules:
+    shipped with the tests. Upstream's own (``utils.py``) are on the base already."""
+    found: list[str] = []
+    pending = list(tests)
+    while pending:
+        test = pending.pop()
+        source = _repository_file(test)
+        if source is None:
+            continue
+        folder = Path(test).parent
+        for node in ast.walk(ast.parse(source.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level != 1:
+                continue
+            names = [node.module] if node.module else [a.name for a in node.names]
+            for name in names:
+                helper = str(folder / f"{name.replace('.', '/')}.py")
+                if (not Path(helper).name.startswith("test_") and helper not in found
+                        and _repository_file(helper) is not None):
+                    found.append(helper)
+                    pending.append(helper)
+    return sorted(found)
 
 
 def commit_message(fix: Fix) -> str:
@@ -225,6 +261,9 @@ def _add_fix(commits: _git.Commits, fix: Fix, patch: Path, three_way: bool) -> s
         if commits.base_has(test):
             return f"{test} exists on the base already"
         commits.write(test, fix_test_file(test).read_text())
+    # A helper an earlier commit of the series wrote is written again unchanged.
+    for helper in test_helpers(fix.tests):
+        commits.write(helper, fix_test_file(helper).read_text())
     return None
 
 

@@ -361,6 +361,32 @@ def _put_in_cpu_cache(fix: SchedulerFixture, num_blocks: int = 2) -> Request:
     return req
 
 
+def _new_request_step(
+    connector: SimpleCPUOffloadConnector, fix: SchedulerFixture
+) -> tuple[Request, Any]:
+    """A new request of 2 blocks, allocated and scheduled: it, and its step's
+    connector metadata (whose computed blocks are stored when the gate is open)."""
+    req = make_request(num_blocks=2)
+    kv_blocks = _alloc_and_register(fix, req, 2)
+    connector.update_state_after_alloc(req, kv_blocks, 0)
+    meta = connector.build_connector_meta(
+        make_scheduler_output(
+            {req.request_id: 2 * BLOCK_SIZE},
+            new_reqs={req.request_id: kv_blocks.get_block_ids()},
+        )
+    )
+    return req, meta
+
+
+def _gated_hit(
+    world_size: int = 1,
+) -> tuple[SimpleCPUOffloadConnector, SchedulerFixture, Request]:
+    """An async-registering connector of ``world_size`` ranks, none reported yet,
+    with a request's blocks in its CPU cache."""
+    connector, fix = _make_connector(ASYNC, world_size=world_size)
+    return connector, fix, _put_in_cpu_cache(fix)
+
+
 def _same_prompt(req: Request, request_id: str) -> Request:
     return Request(
         request_id=request_id,
@@ -721,22 +747,12 @@ def test_worker_meta_aggregate_merges_ready_ranks():
 
 def test_gate_closed_until_workers_ready():
     """No CPU hit, load or store before the workers report."""
-    connector, fix = _make_connector(ASYNC)
-    hit = _put_in_cpu_cache(fix)
+    connector, fix, hit = _gated_hit()
     free_before = fix.scheduler.cpu_block_pool.get_num_free_blocks()
 
     _assert_gpu_only(connector, hit)
 
-    # A new request whose computed blocks would be stored when open.
-    req = make_request(num_blocks=2)
-    kv_blocks = _alloc_and_register(fix, req, 2)
-    connector.update_state_after_alloc(req, kv_blocks, 0)
-    meta = connector.build_connector_meta(
-        make_scheduler_output(
-            {req.request_id: 2 * BLOCK_SIZE},
-            new_reqs={req.request_id: kv_blocks.get_block_ids()},
-        )
-    )
+    req, meta = _new_request_step(connector, fix)
     _assert_empty(meta)
     assert connector.request_finished(req, []) == (False, None)
     assert fix.scheduler.cpu_block_pool.get_num_free_blocks() == free_before
@@ -745,8 +761,7 @@ def test_gate_closed_until_workers_ready():
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_gate_opens_after_every_rank_reported(world_size):
     """Opens on exactly the last distinct rank, in any order; duplicates once."""
-    connector, fix = _make_connector(ASYNC, world_size=world_size)
-    hit = _put_in_cpu_cache(fix)
+    connector, fix, hit = _gated_hit(world_size)
     ranks = list(range(world_size))
     random.Random(world_size).shuffle(ranks)
     _assert_gpu_only(connector, hit)
@@ -764,8 +779,7 @@ def test_gate_opens_after_every_rank_reported(world_size):
 
 def test_gate_opens_on_one_aggregated_report():
     """Ranks that become ready in the same step arrive merged."""
-    connector, fix = _make_connector(ASYNC, world_size=4)
-    hit = _put_in_cpu_cache(fix)
+    connector, fix, hit = _gated_hit(4)
     _assert_gpu_only(connector, hit)
     meta = SimpleCPUOffloadWorkerMetadata(completed_store_events={})
     for rank in (2, 0, 3, 1):
@@ -781,8 +795,7 @@ def test_gate_opens_on_one_aggregated_report():
 
 def test_gate_stays_closed_if_a_rank_fails():
     """A rank whose pin failed never reports: serving stays GPU-only."""
-    connector, fix = _make_connector(ASYNC, world_size=4)
-    hit = _put_in_cpu_cache(fix)
+    connector, fix, hit = _gated_hit(4)
     _assert_gpu_only(connector, hit)
     for _ in range(3):
         for rank in (0, 1, 3):
@@ -790,24 +803,14 @@ def test_gate_stays_closed_if_a_rank_fails():
     assert not fix.scheduler.is_ready()
     _assert_gpu_only(connector, hit)
 
-    req = make_request(num_blocks=2)
-    kv_blocks = _alloc_and_register(fix, req, 2)
-    connector.update_state_after_alloc(req, kv_blocks, 0)
-    _assert_empty(
-        connector.build_connector_meta(
-            make_scheduler_output(
-                {req.request_id: 2 * BLOCK_SIZE},
-                new_reqs={req.request_id: kv_blocks.get_block_ids()},
-            )
-        )
-    )
+    req, meta = _new_request_step(connector, fix)
+    _assert_empty(meta)
 
 
 def test_failed_rank_keeps_every_rank_off(monkeypatch):
     """vllm#51762: a rank that reports failure keeps CPU offload off everywhere,
     whatever the others report; the scheduler logs it once."""
-    connector, fix = _make_connector(ASYNC, world_size=4)
-    hit = _put_in_cpu_cache(fix)
+    connector, fix, hit = _gated_hit(4)
     logger = MagicMock()  # after setup: upstream logs its CPU block count there
     monkeypatch.setattr(manager_module, "logger", logger)
     failed = SimpleCPUOffloadWorkerMetadata(
@@ -851,17 +854,8 @@ def test_request_admitted_while_pinning_stays_gpu_only():
     sched = fix.scheduler
     free_before = sched.cpu_block_pool.get_num_free_blocks()
 
-    req = make_request(num_blocks=2)
-    kv_blocks = _alloc_and_register(fix, req, 2)
-    connector.update_state_after_alloc(req, kv_blocks, 0)
-    _assert_empty(
-        connector.build_connector_meta(
-            make_scheduler_output(
-                {req.request_id: 2 * BLOCK_SIZE},
-                new_reqs={req.request_id: kv_blocks.get_block_ids()},
-            )
-        )
-    )
+    req, meta = _new_request_step(connector, fix)
+    _assert_empty(meta)
 
     _report_ready(connector, 0)
     assert sched.is_ready()

@@ -32,20 +32,14 @@ import pytest
 
 from vllm import envs
 
-from .test_nixl_producer_release import TTL, gloo_world, producer_factory
+from . import nixl_harness
+from .nixl_harness import TTL
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 
-@pytest.fixture(scope="module")
-def nixl_world():
-    with gloo_world():
-        yield
-
-
-@pytest.fixture
-def make_producer(nixl_world, monkeypatch):
-    yield from producer_factory(monkeypatch)
+dist_world = nixl_harness.dist_world
+make_producer = nixl_harness.make_producer
 
 
 # A parent id as vLLM makes it: the client's id plus "-" and 8 random hex digits.

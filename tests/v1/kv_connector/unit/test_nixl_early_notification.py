@@ -19,26 +19,14 @@ as a notification after expiry.
 
 import pytest
 
-from .test_nixl_producer_release import (
-    TTL,
-    gloo_world,
-    messages,
-    producer_factory,
-    vllm_log,
-)
+from . import nixl_harness
+from .nixl_harness import TTL, messages, vllm_log
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 
-@pytest.fixture(scope="module")
-def nixl_world():
-    with gloo_world():
-        yield
-
-
-@pytest.fixture
-def make_producer(nixl_world, monkeypatch):
-    yield from producer_factory(monkeypatch)
+dist_world = nixl_harness.dist_world
+make_producer = nixl_harness.make_producer
 
 
 @pytest.mark.parametrize("consumers", [1, 2, 4])

@@ -20,24 +20,15 @@ each step's connector metadata as the decode workers get it. A lease under 6 s
 makes upstream's heartbeat interval 0 s, so every step carries the heartbeats.
 """
 
-import copy
-
 import pytest
 
 from vllm.v1.request import RequestStatus
 
-from .utils import (
-    create_model_runner_output,
-    create_request,
-    create_scheduler,
-    create_vllm_config,
-)
+from .nixl_harness import PROMPT_BLOCKS, PullDecoder, remote_children
+from .utils import create_scheduler, create_vllm_config
 
 pytestmark = pytest.mark.cpu_test
 
-REMOTE_REQUEST_ID = "0_cmpl-parent-fb4bc0e0"
-# Two full blocks and a half one: each child needs 3 blocks for its prompt.
-PROMPT_BLOCKS = 3
 # Heartbeats in every step (upstream's interval is the lease // 6). Every child reads
 # the prompt, as upstream's decoder does: reading it once releases it for the others
 # as that read completes, and no heartbeat is left to check.
@@ -53,66 +44,10 @@ def children_waiting(n: int, prompts_room: int, max_tokens: int) -> tuple:
         vllm_config, num_blocks=1 + prompts_room * PROMPT_BLOCKS
     )
     num_tokens = int(block_size * (PROMPT_BLOCKS - 0.5))
-    children = []
-    for i in range(n):
-        child = create_request(
-            request_id=1 + i,
-            block_size=block_size,
-            num_tokens=num_tokens,
-            common_prefix_len=num_tokens,
-            max_tokens=max_tokens,
-            do_remote_prefill=True,
-        )
-        params = copy.deepcopy(child.kv_transfer_params)
-        params["remote_request_id"] = REMOTE_REQUEST_ID
-        child.kv_transfer_params = params
+    children = remote_children(n, block_size, num_tokens, max_tokens=max_tokens)
+    for child in children:
         scheduler.add_request(child)
-        children.append(child)
     return scheduler, children
-
-
-def renewed(metadata) -> bool:
-    """Whether a step's connector metadata renews the prompt's lease."""
-    info = metadata.heartbeat_by_engine.get("my-engine-id")
-    return info is not None and REMOTE_REQUEST_ID in info.req_ids
-
-
-class Decoder:
-    """What the decode workers do with each step's connector metadata: READs
-    complete in the step after they start; an entry without blocks (a full local
-    prefix hit) only notifies the producer. ``needing``: the children that have
-    neither read the prompt nor notified the producer yet."""
-
-    def __init__(self, scheduler, children) -> None:
-        self.scheduler = scheduler
-        self.children = children
-        self.needing = {child.request_id for child in children}
-        self.loading: set[str] = set()
-        self.read: set[str] = set()
-
-    def step(self) -> bool:
-        """One scheduler step; returns whether its connector metadata renews the
-        prompt's lease, as the workers get it (before the step's output)."""
-        output = self.scheduler.schedule()
-        metadata = output.kv_connector_metadata
-        renewing = renewed(metadata)
-        started = set()
-        for req_id, meta in metadata.reqs_to_recv.items():
-            if any(meta.local_block_ids):
-                started.add(req_id)
-            else:
-                self.needing.discard(req_id)
-        scheduled = [
-            c for c in self.children if c.request_id in output.num_scheduled_tokens
-        ]
-        runner_output = create_model_runner_output(
-            reqs=scheduled, finished_recving=self.loading or None
-        )
-        self.scheduler.update_from_output(output, runner_output)
-        self.needing -= self.loading
-        self.read |= self.loading
-        self.loading = started
-        return renewing
 
 
 @pytest.mark.parametrize("n", [4, 8])
@@ -123,7 +58,7 @@ def test_lease_renewed_while_any_child_waits(n):
     a child has neither read it nor notified the producer, and none does once
     every child finished."""
     scheduler, children = children_waiting(n, prompts_room=2, max_tokens=2)
-    decoder = Decoder(scheduler, children)
+    decoder = PullDecoder(scheduler, children)
 
     waited_after_a_read = False
     for step in range(12 * n):
@@ -148,7 +83,7 @@ def test_lease_expires_once_every_waiting_child_is_aborted():
     the last of them is aborted, and not after, so the producer releases the
     prompt when its lease expires."""
     scheduler, children = children_waiting(4, prompts_room=1, max_tokens=8)
-    decoder = Decoder(scheduler, children)
+    decoder = PullDecoder(scheduler, children)
     while not decoder.read:
         decoder.step()
     waiting = [c for c in children if c.status == RequestStatus.WAITING]

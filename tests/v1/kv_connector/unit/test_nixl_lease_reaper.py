@@ -10,29 +10,21 @@ than its lease, and the decoder's cached blocks have a longer TTL than the
 prefill leases; so a live request registered first kept every lease behind it
 held, run out or not. The producer is driven through its own code paths: leases
 registered by ``start_load_kv``, renewed by ``HB:`` notifications, released by
-``get_finished`` / ``get_transfer_results`` (the harness of
-``test_nixl_producer_release.py``, fake NIXL agent and clock).
+``get_finished`` / ``get_transfer_results`` (``nixl_harness.make_producer``:
+fake NIXL agent and clock).
 """
 
 import pytest
 
-from .test_nixl_producer_release import gloo_world, producer_factory
+from . import nixl_harness
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 HEAD = "cmpl-head-0"
 BEHIND = ("cmpl-behind-1", "cmpl-behind-2", "cmpl-behind-3")
 
-
-@pytest.fixture(scope="module")
-def nixl_world():
-    with gloo_world():
-        yield
-
-
-@pytest.fixture
-def make_producer(nixl_world, monkeypatch):
-    yield from producer_factory(monkeypatch)
+dist_world = nixl_harness.dist_world
+make_producer = nixl_harness.make_producer
 
 
 def test_expired_leases_behind_a_renewed_one_are_released(make_producer):

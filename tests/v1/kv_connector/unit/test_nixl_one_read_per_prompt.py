@@ -23,10 +23,7 @@ upstream.
 """
 
 import contextlib
-import copy
 import importlib
-import os
-import tempfile
 import time
 from collections import defaultdict
 from types import ModuleType
@@ -35,18 +32,14 @@ import numpy as np
 import pytest
 
 from vllm.config import set_current_vllm_config
-from vllm.distributed import (
-    cleanup_dist_env_and_memory,
-    init_distributed_environment,
-    initialize_model_parallel,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
+from . import nixl_harness
+from .nixl_harness import remote_children
 from .test_nixl_connector import FakeNixlConnectorWorker, FakeNixlWrapper
 from .utils import (
     create_model_runner_output,
-    create_request,
     create_scheduler,
     create_vllm_config,
     make_kv_cache_config,
@@ -63,19 +56,9 @@ def make_children(n: int, block_size: int, first_id: int = 1, **overrides) -> li
     request: the same prompt, each with its own copy of one prefill's params
     (``overrides`` replaces some of them)."""
     num_tokens = int(block_size * (FULL_BLOCKS + 0.5))
-    children = []
-    for i in range(n):
-        child = create_request(
-            request_id=first_id + i,
-            block_size=block_size,
-            num_tokens=num_tokens,
-            common_prefix_len=num_tokens,
-            do_remote_prefill=True,
-        )
-        params = copy.deepcopy(child.kv_transfer_params)
-        params["remote_request_id"] = "0_cmpl-parent-fb4bc0e0"
-        child.kv_transfer_params = {**params, **overrides}
-        children.append(child)
+    children = remote_children(n, block_size, num_tokens, first_id)
+    for child in children:
+        child.kv_transfer_params = {**child.kv_transfer_params, **overrides}
     return children
 
 
@@ -477,23 +460,8 @@ class WorkerPulls(Pulls):
 @pytest.fixture
 def gloo_world():
     """A torch.distributed world of size 1 on CPU, as a decode worker needs."""
-    fd, path = tempfile.mkstemp()
-    os.close(fd)
-    try:
-        with set_current_vllm_config(create_vllm_config()):
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                distributed_init_method=f"file://{path}",
-                local_rank=0,
-                backend="gloo",
-            )
-            initialize_model_parallel(1, 1)
+    with nixl_harness.gloo_world():
         yield
-    finally:
-        cleanup_dist_env_and_memory()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 @pytest.mark.parametrize(("decode_tp", "prefill_tp"), [(1, 1), (1, 2), (1, 4), (2, 1)])

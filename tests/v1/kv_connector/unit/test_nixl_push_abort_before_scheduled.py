@@ -25,7 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.v1.request import Request, RequestStatus
 
-from .utils import create_request, create_scheduler, create_vllm_config
+from .nixl_harness import push_decode_leg
+from .utils import create_scheduler, create_vllm_config
 
 pytestmark = pytest.mark.cpu_test
 
@@ -42,22 +43,14 @@ def make_decoder(num_blocks: int) -> Any:
 
 
 def add_decode_leg(scheduler: Any, req_id: str) -> Request:
-    """A decode leg as a push proxy sends it: no remote block ids."""
-    request = create_request(
-        block_size=scheduler.cache_config.block_size,
-        num_tokens=NUM_TOKENS,
-        do_remote_prefill=True,
-    )
-    request.request_id = req_id
-    params = request.kv_transfer_params
-    assert params is not None
-    params.pop("remote_block_ids")
-    params.update(
-        remote_engine_id=PRODUCER_ENGINE,
-        remote_request_id="push-abort",
-        remote_host="127.0.0.1",
-        remote_port=5600,
-    )
+    """A decode leg as a push proxy sends it, of PRODUCER_ENGINE's prompt."""
+    remote = {
+        "remote_engine_id": PRODUCER_ENGINE,
+        "remote_request_id": "push-abort",
+        "remote_port": 5600,
+    }
+    block_size = scheduler.cache_config.block_size
+    request = push_decode_leg(block_size, NUM_TOKENS, req_id, remote)
     scheduler.add_request(request)
     return request
 

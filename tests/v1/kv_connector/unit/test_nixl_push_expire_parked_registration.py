@@ -26,18 +26,11 @@ import pytest
 
 from vllm.v1.request import Request
 
-from . import test_nixl_push_aborted_child as push_pair
-from .test_nixl_push_aborted_child import (
-    LEASE,
-    Clock,
-    Engine,
-    FakeNixlAgent,
-    step_until,
-)
+from . import nixl_harness
+from .nixl_harness import LEASE, Clock, Engine, FabricNixlAgent, prefilled, step_until
 
-# The fixtures that make the push pair's engines, under the names the tests use.
-dist_world = push_pair.dist_world
-make_engine = push_pair.make_engine
+dist_world = nixl_harness.dist_world
+make_engine = nixl_harness.make_engine
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -102,7 +95,7 @@ class Pair:
     def send_registration(self, decoder_req_id: str) -> Request:
         """A decode leg whose registration is sent to the producer, which does not
         read it yet (an idle producer's writer sleeps until its next request)."""
-        fabric = FakeNixlAgent.fabric
+        fabric = FabricNixlAgent.fabric
         request = self.decode_leg(decoder_req_id)
         assert step_until(
             lambda: bool(fabric.inboxes[self.producer.agent_name]), self.decoder
@@ -112,7 +105,7 @@ class Pair:
     def prefill(self, request_id: str) -> None:
         """A prefill leg the producer computes; its finished blocks reach the
         writer, which pairs them with a registration or keeps them."""
-        push_pair.prefilled(self.producer, [request_id])
+        prefilled(self.producer, [request_id])
         worker: Any = self.producer.worker
         assert step_until(
             lambda: (

@@ -16,8 +16,6 @@ handles report the state the test sets, under a controlled clock.
 """
 
 import contextlib
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -25,30 +23,25 @@ from typing import Any
 
 import pytest
 
-from vllm.config import set_current_vllm_config
-from vllm.distributed import (
-    cleanup_dist_env_and_memory,
-    init_distributed_environment,
-    initialize_model_parallel,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-    NixlPushConnector,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
 )
 
-from .utils import create_vllm_config, make_kv_cache_config
+from . import nixl_harness
+from .nixl_harness import StubNixlAgent, push_connector
+from .utils import create_vllm_config
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 LEASE = 12
 PROMPT = "cmpl-push-write-0-aaaaaaaa"
 
+dist_world = nixl_harness.dist_world
+# ``time.perf_counter`` as the worker sees it.
+clock = nixl_harness.clock
 
-class FakeNixlAgent:
+
+class WriteStateAgent(StubNixlAgent):
     """A NIXL agent whose transfers all report ``state`` (in flight until a
     test sets it)."""
 
@@ -67,65 +60,18 @@ class FakeNixlAgent:
             xferDuration=1, postDuration=1, totalBytes=1, descCount=1
         )
 
-    def get_new_notifs(self) -> dict[str, list[bytes]]:
-        return {}
-
-    def get_agent_metadata(self) -> bytes:
-        return b"fake_agent_metadata"
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
-@pytest.fixture(scope="module")
-def dist_world() -> Iterator[None]:
-    """A torch.distributed world of size 1 on CPU, for the push worker."""
-    fd, path = tempfile.mkstemp()
-    os.close(fd)
-    try:
-        with set_current_vllm_config(create_vllm_config()):
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                distributed_init_method=f"file://{path}",
-                local_rank=0,
-                backend="gloo",
-            )
-            initialize_model_parallel(1, 1)
-        yield
-    finally:
-        cleanup_dist_env_and_memory()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """``time.perf_counter`` as the worker sees it; ``clock[0] += s`` moves it."""
-    real = time.perf_counter
-    offset = [0.0]
-    monkeypatch.setattr(time, "perf_counter", lambda: real() + offset[0])
-    return offset
-
 
 class Producer:
     """A push producer's worker holding one prompt under its lease, with a
     WRITE of it posted to a decoder."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(base_worker, "NixlWrapper", FakeNixlAgent)
         vllm_config = create_vllm_config(
             kv_connector="NixlPushConnector",
             kv_connector_extra_config={"kv_lease_duration": LEASE},
         )
-        with set_current_vllm_config(vllm_config):
-            self.connector = NixlPushConnector(
-                vllm_config,
-                KVConnectorRole.WORKER,
-                make_kv_cache_config(block_size=vllm_config.cache_config.block_size),
-            )
+        self.connector = push_connector(monkeypatch, vllm_config, WriteStateAgent)
         worker: Any = self.connector.connector_worker
-        assert worker is not None
         # The stub agent answers the few calls get_finished makes of the topology.
         worker.transfer_topo = object()
         self.worker = worker
@@ -140,10 +86,7 @@ class Producer:
             worker._sending_transfers[PROMPT].append("write-handle")
 
     def step(self) -> None:
-        if hasattr(self.connector, "get_transfer_results"):
-            finished = self.connector.get_transfer_results(set()).finished_sending
-        else:
-            finished, _ = self.connector.get_finished(set())
+        finished = nixl_harness.connector_output(self.connector).finished_sending
         self.released |= finished or set()
 
     def shutdown(self) -> None:
@@ -168,7 +111,7 @@ def test_failed_write_keeps_the_worker(producer, clock):
     assert PROMPT not in producer.released, (
         "a failed WRITE was reported as a completed push"
     )
-    clock[0] += LEASE + 1
+    clock.advance(LEASE + 1)
     producer.step()
     assert producer.released == {PROMPT}
 

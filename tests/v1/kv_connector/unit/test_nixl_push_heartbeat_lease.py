@@ -20,38 +20,20 @@ clock (``time.perf_counter`` moved forward).
 """
 
 import contextlib
-import os
-import tempfile
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from vllm.config import set_current_vllm_config
-from vllm.distributed import (
-    cleanup_dist_env_and_memory,
-    init_distributed_environment,
-    initialize_model_parallel,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-    NixlPushConnector,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
 )
 from vllm.v1.request import Request, RequestStatus
 
-from .utils import (
-    create_model_runner_output,
-    create_request,
-    create_scheduler,
-    create_vllm_config,
-    make_kv_cache_config,
-)
+from . import nixl_harness
+from .nixl_harness import Clock, push_connector, push_decode_leg
+from .utils import create_model_runner_output, create_scheduler, create_vllm_config
 
 # The distributed world is set up once for the module (dist_world).
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
@@ -65,72 +47,9 @@ DECODER_BLOCKS = 5
 PRODUCER_ENGINE = "producer-engine"
 X_REQUEST_ID = "push-wait"
 
-
-class FakeNixlAgent:
-    """A NIXL agent with no peer: no notification ever arrives by NIXL."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def get_new_notifs(self) -> dict[str, list[bytes]]:
-        return {}
-
-    def get_agent_metadata(self) -> bytes:
-        return b"fake_agent_metadata"
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
-class FakeTopology:
-    """Set by the first handshake in a real engine; none happens here."""
-
-    def __init__(self, block_size: int) -> None:
-        self.engine_info = SimpleNamespace(
-            remote_tp_size=1,
-            remote_block_size=block_size,
-            remote_physical_blocks_per_logical=1,
-        )
-
-    def tp_ratio(self, remote_tp_size: int) -> int:
-        return 1
-
-    def block_size_ratio(self, remote_block_size: int) -> int:
-        return 1
-
-    def get_engine_info(self, engine_id: str) -> SimpleNamespace:
-        return self.engine_info
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
-    """``time.perf_counter`` as both engines see it; ``clock[0] += s`` moves it."""
-    real = time.perf_counter
-    offset = [0.0]
-    monkeypatch.setattr(time, "perf_counter", lambda: real() + offset[0])
-    yield offset
-
-
-@pytest.fixture(scope="module")
-def dist_world() -> Iterator[None]:
-    """A torch.distributed world of size 1 on CPU, for the push worker."""
-    fd, path = tempfile.mkstemp()
-    os.close(fd)
-    try:
-        with set_current_vllm_config(create_vllm_config()):
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                distributed_init_method=f"file://{path}",
-                local_rank=0,
-                backend="gloo",
-            )
-            initialize_model_parallel(1, 1)
-        yield
-    finally:
-        cleanup_dist_env_and_memory()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+dist_world = nixl_harness.dist_world
+# ``time.perf_counter`` as both engines see it.
+clock = nixl_harness.clock
 
 
 def push_config(renew: bool | None) -> Any:
@@ -146,19 +65,8 @@ class Producer:
     """A push producer's worker, holding prompts under its lease."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, renew: bool | None) -> None:
-        monkeypatch.setattr(base_worker, "NixlWrapper", FakeNixlAgent)
-        vllm_config = push_config(renew)
-        block_size = vllm_config.cache_config.block_size
-        with set_current_vllm_config(vllm_config):
-            self.connector = NixlPushConnector(
-                vllm_config,
-                KVConnectorRole.WORKER,
-                make_kv_cache_config(block_size=block_size),
-            )
-        worker = self.connector.connector_worker
-        assert worker is not None
-        worker.transfer_topo = FakeTopology(block_size)  # type: ignore[assignment]
-        self.worker = worker
+        self.connector = push_connector(monkeypatch, push_config(renew))
+        self.worker = self.connector.connector_worker
         self.released: set[str] = set()
 
     def hold(self, req_ids: list[str]) -> None:
@@ -177,10 +85,7 @@ class Producer:
 
     def step(self) -> None:
         """The producer's step: notifications, heartbeats, expired leases."""
-        if hasattr(self.connector, "get_transfer_results"):
-            finished = self.connector.get_transfer_results(set()).finished_sending
-        else:
-            finished, _ = self.connector.get_finished(set())
+        finished = nixl_harness.connector_output(self.connector).finished_sending
         self.released |= finished or set()
 
     def shutdown(self) -> None:
@@ -199,21 +104,12 @@ class Decoder:
     def add(self, req_id: str, x_request_id: str = X_REQUEST_ID) -> Request:
         """A decode leg as a push proxy sends it: the producer's coordinates and
         the X-Request-Id as the remote request id, no remote block ids."""
-        request = create_request(
-            block_size=self.block_size,
-            num_tokens=NUM_TOKENS,
-            do_remote_prefill=True,
-        )
-        request.request_id = req_id
-        params = request.kv_transfer_params
-        assert params is not None
-        params.pop("remote_block_ids")
-        params.update(
-            remote_engine_id=PRODUCER_ENGINE,
-            remote_request_id=x_request_id,
-            remote_host="127.0.0.1",
-            remote_port=5600,
-        )
+        remote = {
+            "remote_engine_id": PRODUCER_ENGINE,
+            "remote_request_id": x_request_id,
+            "remote_port": 5600,
+        }
+        request = push_decode_leg(self.block_size, NUM_TOKENS, req_id, remote)
         self.scheduler.add_request(request)
         return request
 
@@ -253,12 +149,12 @@ def engine_ids(n: int, suffix: str) -> list[str]:
     return [parent] if n == 1 else [f"{i}_{parent}" for i in range(n)]
 
 
-def run(producer: Producer, decoder: Decoder, clock: list[float], s: int) -> int:
+def run(producer: Producer, decoder: Decoder, clock: Clock, s: int) -> int:
     """Step both engines once a second for s seconds, carrying the decoder's
     heartbeats to the producer; returns how many were carried."""
     carried = 0
     for _ in range(s):
-        clock[0] += 1
+        clock.advance(1)
         for heartbeat in decoder.step():
             producer.receive(heartbeat)
             carried += 1
@@ -298,7 +194,7 @@ def test_decoder_heartbeats_its_own_request_ids(make_pair, clock):
     remote request id upstream sends, until the request stops heartbeating."""
     _, decoder = make_pair()
     first, second = (decoder.add(r) for r in engine_ids(2, "0badcafe"))
-    clock[0] += LEASE
+    clock.advance(LEASE)
     (heartbeat,) = decoder.step()
     assert set(heartbeat.decode()[3:].split(",")) == {
         X_REQUEST_ID,
@@ -312,7 +208,7 @@ def test_decoder_heartbeats_its_own_request_ids(make_pair, clock):
     decoder.scheduler.finish_requests(
         [first.request_id, second.request_id], RequestStatus.FINISHED_ABORTED
     )
-    clock[0] += LEASE
+    clock.advance(LEASE)
     (heartbeat,) = decoder.step()
     assert set(heartbeat.decode()[3:].split(",")) == {"push-other", other.request_id}
 
@@ -352,7 +248,7 @@ def test_heartbeat_renews_what_a_registration_is_paired_with(
     before = dict(worker._reqs_to_send)
 
     # Half the lease on: a renewal (LEASE * 2 // 3 from now) outlasts the lease.
-    clock[0] += LEASE // 2
+    clock.advance(LEASE // 2)
     producer.receive(f"HB:{heartbeated}".encode())
     producer.step()
     renewed = {r for r, expiry in worker._reqs_to_send.items() if expiry > before[r]}
@@ -367,7 +263,7 @@ def test_switched_off_heartbeats_are_upstreams(make_pair, clock):
     producer.hold(producer_ids)
     for req_id in engine_ids(2, "0badcafe"):
         decoder.add(req_id)
-    clock[0] += 1
+    clock.advance(1)
     assert decoder.step() == [f"HB:{X_REQUEST_ID}".encode()]
 
     run(producer, decoder, clock, 2 * LEASE)

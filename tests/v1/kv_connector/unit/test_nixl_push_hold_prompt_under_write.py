@@ -23,12 +23,11 @@ from typing import Any
 
 import pytest
 
-from . import test_nixl_push_aborted_child as push_pair
-from .test_nixl_push_aborted_child import LEASE, Clock, Engine, step_until
+from . import nixl_harness
+from .nixl_harness import LEASE, Clock, Engine, prefilled, step_until
 
-# The fixtures that make the push pair's engines, under the names the tests use.
-dist_world = push_pair.dist_world
-make_engine = push_pair.make_engine
+dist_world = nixl_harness.dist_world
+make_engine = nixl_harness.make_engine
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
@@ -63,7 +62,7 @@ class WritePair:
             self.posted.append(request_id)
 
         worker._do_start_push_kv = post_write
-        (self.held,) = push_pair.prefilled(self.producer, ["cmpl-write-0-aaaaaaaa"])
+        (self.held,) = prefilled(self.producer, ["cmpl-write-0-aaaaaaaa"])
         self.decoder.add_decode("cmpl-write-0-bbbbbbbb", self.producer)
         assert step_until(lambda: bool(self.posted), self.decoder, self.producer), (
             "the producer posted no WRITE for the decoder's registration"

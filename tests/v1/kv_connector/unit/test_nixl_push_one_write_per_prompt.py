@@ -25,12 +25,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.v1.request import Request, RequestStatus
 
-from . import test_nixl_push_aborted_child as push_pair
-from .test_nixl_push_aborted_child import NUM_TOKENS, Clock, Engine, step_until
+from . import nixl_harness
+from .nixl_harness import NUM_TOKENS, Clock, Engine, step_until
 
-# The fixtures that make the push pair's engines, under the names the tests use.
-dist_world = push_pair.dist_world
-make_engine = push_pair.make_engine
+dist_world = nixl_harness.dist_world
+make_engine = nixl_harness.make_engine
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 

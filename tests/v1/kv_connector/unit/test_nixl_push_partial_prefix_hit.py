@@ -29,14 +29,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from .test_nixl_connector import FakeNixlConnectorWorker, FakeNixlWrapper
-from .test_nixl_push_aborted_child import dist_world as push_world
+from . import nixl_harness
 from .utils import create_vllm_config, make_kv_cache_config
 
 # The distributed world is set up once for the module (dist_world).
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
-# The fixture that makes the push workers' distributed world, under its name.
-dist_world = push_world
+dist_world = nixl_harness.dist_world
 
 DECODER = FakeNixlConnectorWorker.REMOTE_ENGINE_ID
 

@@ -18,36 +18,16 @@ pushed, as when the producer released the prompt.
 """
 
 import contextlib
-import os
-import tempfile
-import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from vllm.config import set_current_vllm_config
-from vllm.distributed import (
-    cleanup_dist_env_and_memory,
-    init_distributed_environment,
-    initialize_model_parallel,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-    NixlPushConnector,
-)
-from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from .utils import (
-    create_model_runner_output,
-    create_request,
-    create_scheduler,
-    create_vllm_config,
-    make_kv_cache_config,
-)
+from . import nixl_harness
+from .nixl_harness import Clock, engine_step, push_connector, push_decode_leg
+from .utils import create_scheduler, create_vllm_config
 
 # The distributed world is set up once for the module (dist_world).
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
@@ -57,76 +37,7 @@ TIMEOUT = 20
 NUM_BLOCKS = 64
 NUM_TOKENS = 100
 
-
-class FakeNixlAgent:
-    """A NIXL agent with no peer: no notification ever arrives."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def get_new_notifs(self) -> dict[str, list[bytes]]:
-        return {}
-
-    def get_agent_metadata(self) -> bytes:
-        return b"fake_agent_metadata"
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
-class FakeTopology:
-    """Set by the first handshake in a real engine; no handshake happens here.
-    The producer is the decoder's twin: same TP size and block size."""
-
-    def __init__(self, block_size: int, physical_per_logical: int) -> None:
-        self.engine_info = SimpleNamespace(
-            remote_tp_size=1,
-            remote_block_size=block_size,
-            remote_physical_blocks_per_logical=physical_per_logical,
-        )
-
-    def tp_ratio(self, remote_tp_size: int) -> int:
-        return 1
-
-    def block_size_ratio(self, remote_block_size: int) -> int:
-        return 1
-
-    def get_engine_info(self, engine_id: str) -> SimpleNamespace:
-        return self.engine_info
-
-
-class Clock:
-    """``time.perf_counter`` as the decoder sees it, moved forward at will."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real = time.perf_counter
-        self.offset = 0.0
-        monkeypatch.setattr(time, "perf_counter", lambda: real() + self.offset)
-
-    def advance(self, seconds: float) -> None:
-        self.offset += seconds
-
-
-@pytest.fixture(scope="module")
-def dist_world() -> Iterator[None]:
-    """A torch.distributed world of size 1 on CPU, for the push worker."""
-    fd, path = tempfile.mkstemp()
-    os.close(fd)
-    try:
-        with set_current_vllm_config(create_vllm_config()):
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                distributed_init_method=f"file://{path}",
-                local_rank=0,
-                backend="gloo",
-            )
-            initialize_model_parallel(1, 1)
-        yield
-    finally:
-        cleanup_dist_env_and_memory()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+dist_world = nixl_harness.dist_world
 
 
 @pytest.fixture
@@ -145,10 +56,10 @@ def make_decoder(dist_world, monkeypatch) -> Iterator[Any]:
 
 
 class Decoder:
-    """A push decoder: its scheduler, one push worker, and the steps between."""
+    """A push decoder with no producer (its NIXL agent receives nothing): its
+    scheduler, one push worker, and the steps between."""
 
     def __init__(self, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(base_worker, "NixlWrapper", FakeNixlAgent)
         self.clock = Clock(monkeypatch)
         vllm_config = create_vllm_config(
             kv_connector="NixlPushConnector",
@@ -157,18 +68,8 @@ class Decoder:
         )
         self.block_size = vllm_config.cache_config.block_size
         self.scheduler = create_scheduler(vllm_config, num_blocks=NUM_BLOCKS)
-        with set_current_vllm_config(vllm_config):
-            self.connector = NixlPushConnector(
-                vllm_config,
-                KVConnectorRole.WORKER,
-                make_kv_cache_config(block_size=self.block_size),
-            )
+        self.connector = push_connector(monkeypatch, vllm_config)
         worker = self.connector.connector_worker
-        assert worker is not None
-        worker.transfer_topo = FakeTopology(  # type: ignore[assignment]
-            self.block_size,
-            getattr(worker, "_physical_blocks_per_logical_kv_block", 1),
-        )
         # No producer: heartbeats would start a handshake with it.
         monkeypatch.setattr(worker, "_send_heartbeats", lambda metadata: None)
         self.worker = worker
@@ -176,51 +77,22 @@ class Decoder:
         self.outputs: dict[str, list[Any]] = {}
 
     def add(self, request_id: int) -> Request:
-        """A decode leg as a push proxy sends it: no remote block ids."""
-        request = create_request(
-            request_id=request_id,
-            block_size=self.block_size,
-            num_tokens=NUM_TOKENS,
-            do_remote_prefill=True,
-        )
-        assert request.kv_transfer_params is not None
-        request.kv_transfer_params.pop("remote_block_ids")
-        request.kv_transfer_params["remote_host"] = "127.0.0.1"
+        """A decode leg as a push proxy sends it."""
+        request = push_decode_leg(self.block_size, NUM_TOKENS, request_id=request_id)
         self.scheduler.add_request(request)
         return request
 
     def step(self) -> dict[str, int]:
         """One engine step; returns the tokens scheduled per request."""
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output, engine_outputs = engine_step(
+            self.scheduler, self.connector, load_errors=True
+        )
         metadata = scheduler_output.kv_connector_metadata
-        assert metadata is not None
         self.registered.update(getattr(metadata, "push_registrations", {}))
-        self.connector.bind_connector_metadata(metadata)
-        self.worker.start_load_kv(metadata)  # type: ignore[arg-type]
-        kv_output = KVConnectorOutput()
-        if hasattr(self.connector, "get_transfer_results"):
-            results = self.connector.get_transfer_results(set())
-            kv_output.finished_sending = results.finished_sending
-            kv_output.finished_recving = results.finished_recving
-            kv_output.failed_recving = results.failed_recving
-        else:
-            kv_output.finished_sending, kv_output.finished_recving = (
-                self.connector.get_finished(set())
-            )
-        kv_output.invalid_block_ids = self.connector.get_block_ids_with_load_errors()
-        self.connector.clear_connector_metadata()
-        scheduled = scheduler_output.num_scheduled_tokens
-        model_output = create_model_runner_output(
-            [self.scheduler.requests[r] for r in scheduled]
-        )
-        model_output.kv_connector_output = kv_output
-        engine_outputs = self.scheduler.update_from_output(
-            scheduler_output, model_output
-        )
         for client_outputs in engine_outputs.values():
             for output in client_outputs.outputs:
                 self.outputs.setdefault(output.request_id, []).append(output)
-        return dict(scheduled)
+        return dict(scheduler_output.num_scheduled_tokens)
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()

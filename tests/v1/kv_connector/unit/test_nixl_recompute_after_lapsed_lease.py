@@ -16,17 +16,11 @@ producer's extension is 20 s, the heartbeat interval 5 s, so the decoder vouches
 for a prompt 15 s after it arrived or after a heartbeat named it.
 """
 
-import time
-
 import pytest
 
 from vllm.v1.request import RequestStatus
 
-from .test_nixl_heartbeat_every_child import (
-    PROMPT_BLOCKS,
-    REMOTE_REQUEST_ID,
-    Decoder,
-)
+from .nixl_harness import PROMPT_BLOCKS, Clock, PullDecoder, remote_children
 from .utils import create_request, create_scheduler, create_vllm_config
 
 pytestmark = pytest.mark.cpu_test
@@ -36,18 +30,6 @@ LEASE = {"kv_lease_duration": 30}
 VOUCHED = 15
 # Steps of a busy decoder: heartbeats go out every other one.
 STEP = 4
-
-
-class Clock:
-    """``time.perf_counter`` as the decoder sees it, moved forward at will."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real = time.perf_counter
-        self.offset = 0.0
-        monkeypatch.setattr(time, "perf_counter", lambda: real() + self.offset)
-
-    def advance(self, seconds: float) -> None:
-        self.offset += seconds
 
 
 def remote_prompt(n: int, *, blocker: bool = False, **extra_config) -> tuple:
@@ -68,23 +50,13 @@ def remote_prompt(n: int, *, blocker: bool = False, **extra_config) -> tuple:
         )
         scheduler.add_request(local)
         requests.append(local)
-    for i in range(n):
-        child = create_request(
-            request_id=1 + i,
-            block_size=block_size,
-            num_tokens=num_tokens,
-            common_prefix_len=num_tokens,
-            max_tokens=2,
-            do_remote_prefill=True,
-        )
-        assert child.kv_transfer_params is not None
-        child.kv_transfer_params["remote_request_id"] = REMOTE_REQUEST_ID
+    children = remote_children(n, block_size, num_tokens, max_tokens=2)
+    for child in children:
         scheduler.add_request(child)
-        requests.append(child)
-    return scheduler, requests
+    return scheduler, requests + children
 
 
-def wait_out_blocker(decoder: Decoder, clock: Clock, blocker) -> None:
+def wait_out_blocker(decoder: PullDecoder, clock: Clock, blocker) -> None:
     """Steps of a busy decoder, STEP seconds each, until ``blocker`` finished: the
     remote prompt waits longer than the lease, kept by heartbeats."""
     renewals = 0
@@ -94,7 +66,7 @@ def wait_out_blocker(decoder: Decoder, clock: Clock, blocker) -> None:
     assert renewals >= 2, "no heartbeats renewed the prompt while it waited"
 
 
-def read_or_computed(decoder: Decoder, request) -> str:
+def read_or_computed(decoder: PullDecoder, request) -> str:
     """Step until the decoder decided for ``request``: "read" (a READ of the
     producer's blocks started) or "computed" (the producer is only notified, as
     for a full local prefix hit, and the scheduler computes the prompt)."""
@@ -117,11 +89,11 @@ def test_lapsed_lease_computes_prompt_locally(monkeypatch, lapse):
     clock = Clock(monkeypatch)
     if lapse == "stalled":
         scheduler, (blocker, request) = remote_prompt(1, blocker=True)
-        decoder = Decoder(scheduler, [blocker, request])
+        decoder = PullDecoder(scheduler, [blocker, request])
         wait_out_blocker(decoder, clock, blocker)
     else:
         scheduler, (request,) = remote_prompt(1)
-        decoder = Decoder(scheduler, [request])
+        decoder = PullDecoder(scheduler, [request])
     clock.advance(VOUCHED + 1)
     assert read_or_computed(decoder, request) == "computed", (
         f"READ of a prompt whose lease may have lapsed ({lapse})"
@@ -133,7 +105,7 @@ def test_renewed_lease_still_reads(monkeypatch):
     itself: the decoder READs it, as upstream does."""
     clock = Clock(monkeypatch)
     scheduler, (blocker, request) = remote_prompt(1, blocker=True)
-    decoder = Decoder(scheduler, [blocker, request])
+    decoder = PullDecoder(scheduler, [blocker, request])
     wait_out_blocker(decoder, clock, blocker)
     clock.advance(STEP)
     assert read_or_computed(decoder, request) == "read"
@@ -143,7 +115,7 @@ def test_a_read_within_the_bound_is_upstreams(monkeypatch):
     """A prompt scheduled just inside the bound is read."""
     clock = Clock(monkeypatch)
     scheduler, (request,) = remote_prompt(1)
-    decoder = Decoder(scheduler, [request])
+    decoder = PullDecoder(scheduler, [request])
     clock.advance(VOUCHED - 1)
     assert read_or_computed(decoder, request) == "read"
 
@@ -152,7 +124,7 @@ def test_switched_off_reads_as_upstream(monkeypatch):
     """recompute_after_lapsed_lease false: the decoder READs whatever the lease."""
     clock = Clock(monkeypatch)
     scheduler, (request,) = remote_prompt(1, recompute_after_lapsed_lease=False)
-    decoder = Decoder(scheduler, [request])
+    decoder = PullDecoder(scheduler, [request])
     clock.advance(VOUCHED + 1)
     assert read_or_computed(decoder, request) == "read"
 
@@ -163,7 +135,7 @@ def test_children_read_nothing_after_the_lease_lapsed(monkeypatch):
     the producer is notified for each."""
     clock = Clock(monkeypatch)
     scheduler, children = remote_prompt(4)
-    decoder = Decoder(scheduler, children)
+    decoder = PullDecoder(scheduler, children)
     clock.advance(VOUCHED + 1)
     for _ in range(8):
         if not decoder.needing:

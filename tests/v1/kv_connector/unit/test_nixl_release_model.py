@@ -25,20 +25,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from .test_nixl_producer_release import gloo_world, producer_factory
+from . import nixl_harness
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 
-@pytest.fixture(scope="module")
-def nixl_world():
-    with gloo_world():
-        yield
-
-
-@pytest.fixture
-def make_producer(nixl_world, monkeypatch):
-    yield from producer_factory(monkeypatch)
+dist_world = nixl_harness.dist_world
+make_producer = nixl_harness.make_producer
 
 
 TTL = 40.0

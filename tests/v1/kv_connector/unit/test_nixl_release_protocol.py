@@ -34,7 +34,6 @@ the producer nor heartbeated by the decoder.
 import contextlib
 import functools
 import importlib
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,13 +56,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from .test_nixl_producer_release import (
-    FakeClock,
-    Producer,
-    connector_module,
-    gloo_world,
-    producer_factory,
-)
+from . import nixl_harness
+from .nixl_harness import FakeClock, Producer, connector_module
 from .utils import create_request, create_vllm_config, make_kv_cache_config
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
@@ -87,19 +81,8 @@ MAX_PROMPTS = 3
 READ_POSTED_MARK = "read-posted/"
 
 
-@pytest.fixture(scope="module")
-def nixl_world():
-    with gloo_world():
-        yield
-
-
-@pytest.fixture
-def make_producer(nixl_world, monkeypatch):
-    # On CPU every worker pins the process to a core per NUMA node for its KV
-    # transfers (0.3 s a call on a loaded machine): not for a test that builds
-    # a producer per example.
-    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: None)
-    yield from producer_factory(monkeypatch)
+dist_world = nixl_harness.dist_world
+make_producer = nixl_harness.make_producer
 
 
 def _patch_decoder_clock(monkeypatch, clock: FakeClock) -> None:
