@@ -25,8 +25,9 @@ An overlay module mirrors one upstream module (``vllm_patches/v1/core/x.py`` cha
 (``">=0.24.0"``). Where one upstream file needs different code in different releases,
 the variants sit side by side in the overlay, each with its range; ranges of one fix's
 variants of a name must not overlap, and a range ends (``">=0.20.0,<0.24.0"``) only
-where another variant of the same definition starts (``_splice.check_bounds``). How far
-the series is verified is ``series.toml``'s newest covered release, written only there.
+where another variant of the same definition starts
+(``_engine.splice.check_bounds``). How far the series is verified is
+``series.toml``'s newest covered release, written only there.
 
 Inside an amended class, the class's own docstring describes the overlay and is
 not spliced; an assignment ``__doc__ = "..."`` (a string literal) replaces the upstream class
@@ -85,13 +86,13 @@ splice adds to the upstream module those it lacks and the spliced code uses.
 The markers only record facts (they return their argument unchanged), so an overlay
 module imports cleanly, and its functions can be installed onto the live upstream
 classes. Zero-argument ``super()`` works in both (the runtime points the ``__class__``
-cell at the live class, ``_install``), and upstream's ruff asks for it (UP008). Every
-global name the code uses must resolve in the upstream module once the imports are
+cell at the live class, ``_engine.install``), and upstream's ruff asks for it (UP008).
+Every global name the code uses must resolve in the upstream module once the imports are
 added: overlays use upstream's own names (``logger``) unimported.
 
 Checked: the splice refuses what breaks these rules, on every covered release (regen),
-and checks each spliced file's names (``_patches.check_names``); ruff lints the
-overlays (``tests/tool/test_series.py``) with F821 and F811 off for them.
+and checks each spliced file's names (``_engine.patch_writer.check_names``); ruff lints
+the overlays (``tests/tool/test_series.py``) with F821 and F811 off for them.
 """
 
 from __future__ import annotations
