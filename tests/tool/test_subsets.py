@@ -132,6 +132,8 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F12": "not applicable (needed on vLLM >=0.28.0, not on v0.21.0)",
                            "F13": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
                            "F14": "not applicable (needed on vLLM >=0.24.0, not on v0.21.0)",
+                           "F19": "not applicable (needed on vLLM >=0.24.0,<0.28.0, not on "
+                                  "v0.21.0)",
                            "F18": "not applicable (needed on vLLM >=0.30.0,<0.31.0, not on "
                                   "v0.21.0)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
