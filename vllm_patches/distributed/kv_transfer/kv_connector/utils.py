@@ -58,7 +58,7 @@ class PromptReads:
         self._ended: OrderedDict[tuple[str, str], bool] = OrderedDict()
         # From v0.22 (on_new_request): every request of a prompt since its arrival,
         # asked or not (a decoder with no free seat asks nothing).
-        self._arrivals: dict[tuple[str, str], dict[str, "Request"]] = {}
+        self._arrivals: dict[tuple[str, str], dict[str, Request]] = {}
         self._arrival_of: dict[str, tuple[str, str]] = {}
 
     @classmethod
@@ -143,7 +143,9 @@ class PromptReads:
         served: list[Request] = []
         for req_id in loaded:
             prompt = self._prompt_of.get(req_id)
-            read = self._reads.get(prompt) if prompt is not None else None
+            if prompt is None:
+                continue
+            read = self._reads.get(prompt)
             if read is None or read.reader is None or read.reader.request_id != req_id:
                 continue
             served.extend(

@@ -92,8 +92,12 @@ class NixlBaseConnector:
         backend delays the notifications by the whole pass, past the lease."""
         assert self.connector_scheduler is not None
         meta = self.connector_scheduler.build_connector_meta(scheduler_output)
-        if not scheduler_output.has_sync_kv_loads and any(
-            not any(recv.local_block_ids) for recv in meta.reqs_to_recv.values()
+        if (
+            not scheduler_output.has_sync_kv_loads
+            and isinstance(meta, NixlConnectorMetadata)
+            and any(
+                not any(recv.local_block_ids) for recv in meta.reqs_to_recv.values()
+            )
         ):
             scheduler_output.has_sync_kv_loads = True
         return meta
