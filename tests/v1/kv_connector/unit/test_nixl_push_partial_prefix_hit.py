@@ -28,8 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector,
 )
 
-from .test_nixl_connector import FakeNixlConnectorWorker, FakeNixlWrapper
 from . import nixl_harness
+from .test_nixl_connector import FakeNixlConnectorWorker, FakeNixlWrapper
 from .utils import create_vllm_config, make_kv_cache_config
 
 # The distributed world is set up once for the module (dist_world).
