@@ -29,8 +29,8 @@ Cases, in the order they run:
 - ``retry``: the client of ``late`` tries again with the same ``X-Request-Id`` once
   its decode leg failed or hung: both legs again (what a gateway that retries
   sends: it keeps the request's id);
-- ``busy``: a local request with n = ``DECODER_SEQS`` takes every decoder seat for
-  longer than the lease; meanwhile prompt A's legs (n=2) come and A's client leaves after
+- ``busy``: a local request with n = ``DECODER_SEATS`` takes every decoder seat until
+  its client leaves, ``BUSY_PAST_LEASE_S`` past prompt B's lease; meanwhile prompt A's legs (n=2) come and A's client leaves after
   ``ABORT_AFTER_S`` (its children aborted before they were scheduled), and prompt B's legs
   (n=2) come and B waits (its decoder heartbeats while its children wait for seats);
 - ``slow``: one prompt (n=1) whose WRITE the producer's probe reports in flight for
@@ -60,21 +60,22 @@ DECODER_SEATS = 8
 # A decode leg with no answer after this long is hung: past the watchdog, with room for
 # a slow step (a decoder whose watchdog fails the request answers at about 20 s).
 HANG_LIMIT_S = 32
-# busy: how long the busy request may take. It took 27 to 85 s through MultiConnector
-# on this 2-core machine (2026-11-27), 31 to 40 s without it. Prompt B's client (its
-# children wait for the busy request's seats) leaves HANG_LIMIT_S after the busy
-# request ended, if no answer came by then: stock never answers B.
+# busy: a bound on the busy request's call and on prompt B's legs, against hangs only.
+# Prompt B's client (its children wait for the busy request's seats) leaves
+# HANG_LIMIT_S after the busy request ended, if no answer came by then: stock never
+# answers B.
 WAIT_LIMIT_S = 5 * HANG_LIMIT_S
 DECODE_TOKENS = 4
 WRITE_NS = (4, 8)
-# busy: the local request's tokens per child (its children hold every seat meanwhile):
-# at 200 they held them 19.6 s in one run and 15.6 s in another, and the lease of the
-# waiting prompt (12 s from its prefill at 3.8 s) ran out in the first only. At 320 a
-# faster 2-core machine (2026-11-27, at 849131c) freed the seats 8.4 to 8.9 s after prompt
-# B's legs left, under its 12 s lease, in all three runs, and at 460 13.3 to 21.6 s after:
-# too close. 900, which the decoder's longer max_model_len admits, holds them about
-# twice as long as 460.
-BUSY_TOKENS = 900
+# busy: the busy request's client leaves this long past prompt B's lease (from B's legs),
+# which ends the request and frees the seats: the seats are held past B's lease by the
+# clock, not by how fast the machine decodes. (Held until the request finished, the case
+# took 73 s on a quiet machine and about 200 s in a loaded CI run, and a machine that
+# decoded 900 tokens per seat in under 12 s would not have held them past the lease.)
+BUSY_PAST_LEASE_S = 6.0
+# The busy request's tokens per seat: as many as the decoder's max_model_len admits, so
+# that no machine finishes them before its client leaves.
+BUSY_TOKENS = 960
 # The decoder's max_model_len: the busy request's prompt (35 tokens) and BUSY_TOKENS.
 DECODER_MAX_MODEL_LEN = 1024
 ABORT_AFTER_S = 2.0
@@ -267,17 +268,21 @@ def busy_case(pair: PushPair) -> dict[str, Any]:
     decoder's seats within B's lease from B's prefill, or within ``ABORT_AFTER_S`` from
     A's legs: the machine did not set the case up, and no check could read it."""
     started = time.monotonic()
+    busy_leaves = threading.Event()
     with ThreadPoolExecutor(3) as pool:
         busy = pool.submit(call, pair.decoder, {"prompt": tokens_of(1, 3, 7000),
                                                 "n": DECODER_SEATS,
                                                 "max_tokens": BUSY_TOKENS},
-                           limit_s=WAIT_LIMIT_S)
+                           limit_s=WAIT_LIMIT_S, give_up=busy_leaves)
         time.sleep(1.0)
         before_a = sample(pair.producer, PRODUCER_METRICS)
         aborted = pool.submit(legs, pair, "push-abort", tokens_of(2, 3, 8000), 2, 2,
                               disconnect_after_s=ABORT_AFTER_S)
         time.sleep(ABORT_AFTER_S + 0.5)
         give_up = threading.Event()
+        busy_leave = threading.Timer(LEASE_S + BUSY_PAST_LEASE_S, busy_leaves.set)
+        busy_leave.daemon = True
+        busy_leave.start()
         waited = pool.submit(legs, pair, "push-wait", tokens_of(2, 5, 9000), 2, 2,
                              limit_s=WAIT_LIMIT_S, give_up=give_up)
         aborted_flow = aborted.result()

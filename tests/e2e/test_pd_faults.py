@@ -8,10 +8,6 @@ decoder that runs ``faults.DECODER_SEQS`` children at a time, lease ``faults.LEA
 - fixed with ``NixlConnector`` as the only child of a ``MultiConnector``, the cases that
   keep the pair (waves, aborts, a prompt never decoded, a stalled decoder; no stock run
   through it: ``harness.pair_runs``);
-- ``without-F6``: F1-F5 on both engines (the fix set of main at ab3e725),
-  waves through ``MultiConnector``: the decoder's heartbeats for a prompt stop when its
-  first child's KV arrives, so a prompt whose later waves start past the lease is
-  released by lease while children still need it.
 
 What each case must show, fixed: no "Releasing expired KV blocks" line and no
 "Potentially invalid KV blocks" line for a prompt that was decoded or whose client left
@@ -20,9 +16,9 @@ child that completed holds the producer's prompt KV bit for bit, no READ of a pr
 whose lease lapsed while the decoder stalled, the producer's KV usage back to 0, no
 client call hung, a killed producer's requests answered with an error within the bound,
 and a restarted engine serving again. Stock shows F2's expiries and invalid-KV lines in
-every case that decodes and READs the stalled prompt after the producer released it;
-``without-F6`` shows the expiries of waves. Each check fails, never skips, when its case
-was not reached.
+every case that decodes and READs the stalled prompt after the producer released it.
+Each check fails, never skips, when its case was not reached. No run shows F6 here (why:
+docs/real-engine-lane.md, "F6 in an engine").
 """
 
 from __future__ import annotations
@@ -45,11 +41,7 @@ pytestmark = pytest.mark.engine
 # would show nothing a fixed one does not.
 PAIR_CASES = ["waves", "abort_decoding", "abort_waiting", "no_decode", "stalled_decoder"]
 KILL_CASES = ["decoder_killed", "producer_killed"]
-# The fix set of main at ab3e725, before F6, on both engines.
-WITHOUT_F6 = "F1,F2,F3,F4,F5"
 RUNS = pair_runs()
-ALL_RUNS = RUNS + [("without-F6", "MultiConnector")] if ("fixed", "MultiConnector") in RUNS \
-    else RUNS
 KILL_RUNS = [run for run in RUNS if run == ("fixed", "NixlConnector")]
 LEASE_LINE = re.compile(r"request (\S+) which were retrieved by (\d+)")
 INVALID_LINE = re.compile(r"unrecognized request (\S+) were retrieved")
@@ -61,11 +53,8 @@ class Faults:
     def __init__(self, mode: str, connector: str) -> None:
         self.mode = mode
         cases = PAIR_CASES + (KILL_CASES if (mode, connector) in KILL_RUNS else [])
-        extra = None
-        if mode == "without-F6":
-            cases, extra = ["waves"], {"VLLM_PATCHES_FIXES": WITHOUT_F6}
         self.record = run_scenario("nixl_faults", "stock" if mode == "stock" else "fixed",
-                                   {"connector": connector, "cases": cases}, extra_env=extra,
+                                   {"connector": connector, "cases": cases},
                                    label=f"nixl-faults-{connector}-{mode}")
         self.run_dir = Path(self.record["run_dir"])
         self.cases = self.record["cases"]
@@ -107,7 +96,7 @@ def served(call: dict, n: int) -> None:
     assert call["status"] == 200 and call.get("choices") == n and not call["hung"], call
 
 
-@pytest.mark.parametrize(("mode", "connector"), ALL_RUNS)
+@pytest.mark.parametrize(("mode", "connector"), RUNS)
 def test_children_in_waves_keep_the_prompt_until_the_last_is_served(mode: str,
                                                                     connector: str) -> None:
     """Case a. A prompt's children are admitted ``DECODER_SEQS`` at a time; fixed, the
@@ -115,8 +104,7 @@ def test_children_in_waves_keep_the_prompt_until_the_last_is_served(mode: str,
     producer releases the siblings with the last child's notification (F2), never by
     lease, although later waves start after the lease: no expired and no invalid-KV
     line. Stock releases the unread siblings by lease and logs the later children's
-    notifications as invalid (F2's bug); without F6, the lease runs out under the later
-    waves (the first child's KV stopped the heartbeats)."""
+    notifications as invalid (F2's bug)."""
     run = faults(mode, connector)
     case = run.case("waves")
     for flow, call in zip(case["flows"], case["calls"], strict=True):
@@ -133,13 +121,11 @@ def test_children_in_waves_keep_the_prompt_until_the_last_is_served(mode: str,
     symptoms = run.symptoms("waves")
     if bug_expected("F2", mode):
         assert symptoms["expired"] > 0 and symptoms["invalid"] > 0, symptoms
-    elif mode == "without-F6":
-        assert symptoms["expired"] > 0, symptoms
     else:
         assert symptoms == {"expired": 0, "invalid": 0}, symptoms
 
 
-@pytest.mark.parametrize(("mode", "connector"), [r for r in ALL_RUNS if r[0] != "stock"])
+@pytest.mark.parametrize(("mode", "connector"), [r for r in RUNS if r[0] != "stock"])
 def test_every_child_in_waves_holds_the_prompt_kv(mode: str, connector: str) -> None:
     """Case a: every child of both prompts, whichever wave it came in, holds the
     advertised sibling's full blocks bit for bit (``analysis.prompt_kv_problems``)."""
@@ -258,7 +244,7 @@ def test_killed_producer_fails_its_requests_and_its_successor_serves(mode: str,
     served(case["served_after"], case["after_flows"][0]["n"])
 
 
-@pytest.mark.parametrize(("mode", "connector"), ALL_RUNS)
+@pytest.mark.parametrize(("mode", "connector"), RUNS)
 def test_no_call_hangs_and_nothing_is_left_held(mode: str, connector: str) -> None:
     """Every client call of every case got an answer (or its client left) within the
     bound, and the decoder ends with no request."""
