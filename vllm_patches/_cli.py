@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("logs", nargs="+", metavar="LOG",
                      help="a log file (plain or gzip; kubectl logs output too), - for stdin")
     sub.add_argument("--json", action="store_true", help="the findings as a JSON list")
+    sub.epilog = ("What no log line shows, so diagnose cannot name it: docs/operator-guide.md, "
+                  "\"What the logs say\".")
     return parser
 
 

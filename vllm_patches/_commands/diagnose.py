@@ -298,6 +298,22 @@ def registration_timeout(engine: Engine, symptom: Symptom) -> Hit | None:
     return _hit(engine.matches["registration_timeout"])
 
 
+# vLLM ends a request id in "-" and 8 hex digits of its own (input_processor's
+# assign_request_id); a push producer pairs a registration with a prompt by the id less
+# them (nixl/utils.py, get_base_request_id): the X-Request-Id and the prompt's index.
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def retry_timed_out(engine: Engine, symptom: Symptom) -> Hit | None:
+    """Registrations of other decode requests timed out after the first of their
+    X-Request-Id did: the first stays parked on a stock producer, which pairs the
+    retry's prompt with it, so the retry's own registration is never served."""
+    first: dict[str, str] = {}
+    retries = [m for m in engine.matches["registration_timeout"]
+               if first.setdefault(_RANDOM_SUFFIX.sub("", m.req), m.req) != m.req]
+    return _hit(retries)
+
+
 def remote_block_ids(engine: Engine, symptom: Symptom) -> Hit | None:
     return _hit(engine.matches["remote_block_ids"])
 
@@ -351,7 +367,7 @@ def kvcached_hang(engine: Engine, symptom: Symptom) -> Hit | None:
 
 RULES = {rule.__name__: rule for rule in (
     read_after_lease, read_after_release, early_notification, stranded_siblings,
-    push_expired, push_unrecognized, registration_timeout, remote_block_ids,
+    push_expired, push_unrecognized, registration_timeout, retry_timed_out, remote_block_ids,
     recving_metadata, expired_in_a_burst, slow_cpu_tier_pin, kvcached_hang)}
 
 
