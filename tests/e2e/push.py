@@ -49,7 +49,7 @@ from e2e_probe import SLOW_WRITE_ENV
 from faults import call, tokens_of
 from scenarios import Breakdown, Server, log_lines, metric, nixl_server, poke, probe_lines
 
-# A short lease, so that the lease cases fit in a short run (upstream: 480 s). Heartbeats
+# A short lease, so that the lease cases fit in a short run (upstream: 30 s). Heartbeats
 # every lease // 6 s.
 LEASE_S = 12
 # The decoder's watchdog over its registrations (``push_registration_timeout``; upstream
