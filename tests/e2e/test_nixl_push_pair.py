@@ -177,15 +177,18 @@ def test_unserved_registration_fails_at_the_watchdog(mode: str, connector: str) 
 def test_diagnose_names_the_unserved_registrations_on_stock_and_nothing_fixed(
         mode: str, connector: str) -> None:
     """`vllm-patches diagnose` on the pair's engine logs: stock's decoder shows the
-    registrations its watchdog gave up on (F9's cases); a fixed pair's logs show
-    nothing, though the fixed watchdog logs the same line and the producer the expiry of
-    the late decode leg's prompt."""
+    registrations its watchdog gave up on (F9's cases) and the retry that timed out after
+    its failed leg (F14's case); a fixed pair's logs show nothing, though the fixed
+    watchdog logs the same line and the producer the expiry of the late decode leg's
+    prompt."""
     run = push_run(mode, connector)
     run.check_reached()
     found = analysis.diagnosed(run.run_dir)
     if bug_expected("F9", mode):
         assert "push-registration-timed-out" in found.get("decoder.log", []), found
-    else:
+    if bug_expected("F14", mode):
+        assert "push-retry-into-stale-registration" in found.get("decoder.log", []), found
+    if mode != "stock":
         assert found == {}, found
 
 
