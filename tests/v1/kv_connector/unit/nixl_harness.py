@@ -7,8 +7,8 @@ that drive the connector through its real methods.
 - ``make_producer``: a pull producer worker (``Producer``), registered and
   released through ``start_load_kv`` and ``get_finished`` /
   ``get_transfer_results``, with a fake agent and clock;
-- ``PullDecoder``: a decode scheduler's steps with the children of one remote
-  prompt, and the READs its workers would start;
+- ``PullDecoder`` and ``Pulls``: a decode scheduler's steps with the children
+  of one remote prompt (``queued_children``), and the READs its workers would start;
 - ``make_engine``: push engines (scheduler and push worker with its writer
   thread) whose agents deliver notifications on an in-process fabric.
 
@@ -442,6 +442,93 @@ class PullDecoder:
         self.read |= self.loading
         self.loading = started
         return renewing
+
+
+def make_children(n: int, block_size: int, first_id: int = 1, **overrides) -> list:
+    """``remote_children`` of a PROMPT_BLOCKS prompt; ``overrides`` replaces some of
+    each child's kv_transfer_params."""
+    num_tokens = int(block_size * (PROMPT_BLOCKS - 0.5))
+    children = remote_children(n, block_size, num_tokens, first_id)
+    for child in children:
+        child.kv_transfer_params = {**child.kv_transfer_params, **overrides}
+    return children
+
+
+def queued_children(vllm_config, n: int, **overrides) -> tuple:
+    """A scheduler on ``vllm_config`` with ``n`` children of one remote prompt
+    waiting in it."""
+    scheduler = create_scheduler(vllm_config)
+    children = make_children(n, vllm_config.cache_config.block_size, **overrides)
+    for child in children:
+        scheduler.add_request(child)
+    return scheduler, children
+
+
+def block_count(block_ids) -> int:
+    """How many blocks a connector metadata entry names (flat list or per group)."""
+    return sum(len(g) if isinstance(g, (list, tuple)) else 1 for g in block_ids)
+
+
+def nixl_metadata(scheduler_output):
+    """The NIXL connector's metadata of a step (itself or MultiConnector's child)."""
+    meta = scheduler_output.kv_connector_metadata
+    return meta.metadata[0] if hasattr(meta, "metadata") else meta
+
+
+class Pulls:
+    """What the decode workers would do, read off each step's connector metadata:
+    READs (request id -> blocks read) and notification-only entries."""
+
+    def __init__(self) -> None:
+        self.reads: dict[str, int] = {}
+        self.notified: list[str] = []
+
+    def load(self, metadata) -> None:
+        """What a decode worker is given each step (nothing here)."""
+
+    def step(
+        self,
+        scheduler,
+        children,
+        failed: frozenset[str] | set[str] = frozenset(),
+        loaded: frozenset[str] | set[str] | None = None,
+    ) -> set[str]:
+        """One scheduler step; the READs started in the step before (``loaded``)
+        complete in it, those in ``failed`` with every block invalid. Returns the
+        READs started in this step."""
+        output = scheduler.schedule()
+        self.load(nixl_metadata(output))
+        started = set()
+        for req_id, meta in nixl_metadata(output).reqs_to_recv.items():
+            blocks = block_count(meta.local_block_ids)
+            if blocks:
+                self.reads[req_id] = blocks
+                started.add(req_id)
+            else:
+                self.notified.append(req_id)
+        scheduled = [c for c in children if c.request_id in output.num_scheduled_tokens]
+        invalid = set()
+        for req_id in failed & (loaded or set()):
+            invalid |= set(scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+        runner_output = create_model_runner_output(
+            reqs=scheduled,
+            finished_recving=loaded or None,
+            invalid_block_ids=invalid or None,
+        )
+        scheduler.update_from_output(output, runner_output)
+        return started
+
+    def run(
+        self,
+        scheduler,
+        children,
+        steps: int = 8,
+        failed: frozenset[str] | set[str] = frozenset(),
+        loading: frozenset[str] | set[str] = frozenset(),
+    ) -> None:
+        """``steps`` steps; the READs in ``loading`` (started before) complete first."""
+        for _ in range(steps):
+            loading = self.step(scheduler, children, failed, loading)
 
 
 # ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from .test_nixl_one_read_per_prompt import Pulls, nixl_metadata, queued_children
+from .nixl_harness import Pulls, nixl_metadata, queued_children
 from .utils import create_vllm_config
 
 pytestmark = pytest.mark.cpu_test

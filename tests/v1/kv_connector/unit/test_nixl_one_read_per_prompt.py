@@ -36,107 +36,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
 from . import nixl_harness
-from .nixl_harness import remote_children
+from .nixl_harness import PROMPT_BLOCKS, Pulls, make_children, queued_children
 from .test_nixl_connector import FakeNixlConnectorWorker, FakeNixlWrapper
 from .utils import (
-    create_model_runner_output,
     create_scheduler,
     create_vllm_config,
     make_kv_cache_config,
 )
 
 pytestmark = pytest.mark.cpu_test
-
-# Two full blocks and a half one: the prompt a producer advertises as 3 blocks.
-FULL_BLOCKS = 2
-
-
-def make_children(n: int, block_size: int, first_id: int = 1, **overrides) -> list:
-    """``n`` decode requests as a decode engine makes them from one ``n > 1``
-    request: the same prompt, each with its own copy of one prefill's params
-    (``overrides`` replaces some of them)."""
-    num_tokens = int(block_size * (FULL_BLOCKS + 0.5))
-    children = remote_children(n, block_size, num_tokens, first_id)
-    for child in children:
-        child.kv_transfer_params = {**child.kv_transfer_params, **overrides}
-    return children
-
-
-def queued_children(vllm_config, n: int, **overrides) -> tuple:
-    """A scheduler on ``vllm_config`` with ``n`` children of one remote prompt
-    waiting in it."""
-    scheduler = create_scheduler(vllm_config)
-    children = make_children(n, vllm_config.cache_config.block_size, **overrides)
-    for child in children:
-        scheduler.add_request(child)
-    return scheduler, children
-
-
-def block_count(block_ids) -> int:
-    """How many blocks a connector metadata entry names (flat list or per group)."""
-    return sum(len(g) if isinstance(g, (list, tuple)) else 1 for g in block_ids)
-
-
-def nixl_metadata(scheduler_output):
-    """The NIXL connector's metadata of a step (itself or MultiConnector's child)."""
-    meta = scheduler_output.kv_connector_metadata
-    return meta.metadata[0] if hasattr(meta, "metadata") else meta
-
-
-class Pulls:
-    """What the decode workers would do, read off each step's connector metadata:
-    READs (request id -> blocks read) and notification-only entries."""
-
-    def __init__(self) -> None:
-        self.reads: dict[str, int] = {}
-        self.notified: list[str] = []
-
-    def load(self, metadata) -> None:
-        """What a decode worker is given each step (nothing here)."""
-
-    def step(
-        self,
-        scheduler,
-        children,
-        failed: frozenset[str] | set[str] = frozenset(),
-        loaded: frozenset[str] | set[str] | None = None,
-    ) -> set[str]:
-        """One scheduler step; the READs started in the step before (``loaded``)
-        complete in it, those in ``failed`` with every block invalid. Returns the
-        READs started in this step."""
-        output = scheduler.schedule()
-        self.load(nixl_metadata(output))
-        started = set()
-        for req_id, meta in nixl_metadata(output).reqs_to_recv.items():
-            blocks = block_count(meta.local_block_ids)
-            if blocks:
-                self.reads[req_id] = blocks
-                started.add(req_id)
-            else:
-                self.notified.append(req_id)
-        scheduled = [c for c in children if c.request_id in output.num_scheduled_tokens]
-        invalid = set()
-        for req_id in failed & (loaded or set()):
-            invalid |= set(scheduler.kv_cache_manager.get_block_ids(req_id)[0])
-        runner_output = create_model_runner_output(
-            reqs=scheduled,
-            finished_recving=loaded or None,
-            invalid_block_ids=invalid or None,
-        )
-        scheduler.update_from_output(output, runner_output)
-        return started
-
-    def run(
-        self,
-        scheduler,
-        children,
-        steps: int = 8,
-        failed: frozenset[str] | set[str] = frozenset(),
-        loading: frozenset[str] | set[str] = frozenset(),
-    ) -> None:
-        """``steps`` steps; the READs in ``loading`` (started before) complete first."""
-        for _ in range(steps):
-            loading = self.step(scheduler, children, failed, loading)
 
 
 def computed(children) -> bool:
@@ -147,7 +55,8 @@ def computed(children) -> bool:
 
 
 def full_blocks(scheduler, request) -> list[int]:
-    return scheduler.kv_cache_manager.get_block_ids(request.request_id)[0][:FULL_BLOCKS]
+    blocks = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+    return blocks[: PROMPT_BLOCKS - 1]
 
 
 def multi_connector(vllm_config) -> None:
@@ -177,7 +86,7 @@ def test_children_of_one_prompt_read_it_once(n, through):
         f"{len(pulls.reads)} READs of one remote prompt by its {n} children"
     )
     [(reader_id, blocks)] = pulls.reads.items()
-    assert blocks == FULL_BLOCKS + 1
+    assert blocks == PROMPT_BLOCKS
     others = [c.request_id for c in children if c.request_id != reader_id]
     assert sorted(pulls.notified) == sorted(others), (
         "each other child notifies the producer once, as a full local prefix hit"
@@ -226,7 +135,7 @@ def test_aborted_reader_hands_the_read_to_another_child():
 
     assert computed(rest)
     assert reader_id in pulls.reads
-    assert all(blocks == FULL_BLOCKS + 1 for blocks in pulls.reads.values())
+    assert all(blocks == PROMPT_BLOCKS for blocks in pulls.reads.values())
 
 
 def test_failed_read_does_not_strand_the_others():
@@ -503,7 +412,7 @@ def test_one_read_per_producer_rank_with_heterogeneous_tp(
         vllm_config,
         n,
         remote_engine_id=FakeNixlConnectorWorker.REMOTE_ENGINE_ID,
-        remote_block_ids=(list(range(FULL_BLOCKS + 1)),),  # one KV cache group
+        remote_block_ids=(list(range(PROMPT_BLOCKS)),),  # one KV cache group
         tp_size=prefill_tp,
     )
     remote_request_id = children[0].kv_transfer_params["remote_request_id"]
