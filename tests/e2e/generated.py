@@ -256,16 +256,10 @@ def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- invariants
 
 
-def _names(event: dict[str, Any], key: str) -> bool:
-    return key in event.get("notif", "")
-
-
 def violations(record: dict[str, Any]) -> list[str]:
-    """Every invariant a fixed pair must keep that the run in ``record`` broke: no
-    invalid-KV line; no prompt released by lease unless excused (its decode leg came late,
-    or a stall froze the decoder in its lease; a stalled prompt then never READ after the
-    stall, F7); KV usage 0 on both engines a lease after the last call; no call hung; every
-    child of a served decode leg holds the producer's prompt KV (TP 1)."""
+    """What the run in ``record`` broke of: no invalid-KV line; no prompt released by lease
+    unless its decode leg came late or a stall froze the decoder (then no READ of it after
+    the stall: F7); KV usage 0 a lease after; no call hung; each child holds the prompt KV."""
     params, found = record["params"], []
     run_dir = Path(record["run_dir"])
     producer_events = probe_events(run_dir, "producer.probe.jsonl")
@@ -289,7 +283,7 @@ def violations(record: dict[str, Any]) -> list[str]:
         if not frozen:
             found.append(f"prompt {flow['index']} ({key}) released by lease: {lines[0][-160:]}")
             continue
-        reads = [e for e in decoder_events if e["event"] == "read" and _names(e, key)
+        reads = [e for e in decoder_events if e["event"] == "read" and key in e["notif"]
                  and e["t"] > min(frozen)]
         if params["mode"] == "pull" and reads:
             found.append(f"prompt {flow['index']} ({key}) released by lease during a stall "
