@@ -13,10 +13,7 @@ stock against fixed (needs matplotlib: ``pip install -e '.[bench]'``).
 Usage:
   .venv/bin/python benchmarks/bench_f2_load.py [--release v0.32.0] [--json F] [--png F]
       runs the scenario stock, then fixed, in the engine lane's venv (needs root, as
-      that lane does);
-  .venv/bin/python benchmarks/bench_f2_load.py --from-lane [--release v0.32.0] [--png F]
-      renders the records the real-engine lane's load test left in the build dir
-      (what the table in docs/measurements.md comes from: a clean clone's CI run), runs nothing.
+      that lane does). (The lane's load test runs fixed only: ``test_f2_load.py``.)
 """
 
 from __future__ import annotations
@@ -29,8 +26,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "e2e"))  # the harness, its scenarios and analysis
 MODES = ("stock", "fixed")
-# The lane's load test runs under this label (tests/e2e/test_f2_load.py).
-LANE_LABEL = "f2-load"
 
 
 def measure() -> dict:
@@ -40,19 +35,6 @@ def measure() -> dict:
 
     return {mode: harness.run_scenario("nixl_load", mode, scenarios.LOAD_ARGS,
                                        label="bench-f2-load") for mode in MODES}
-
-
-def lane_records(out: Path) -> dict:
-    """The newest record of each mode the lane's load test wrote under ``out``."""
-    records = {}
-    for mode in MODES:
-        found = sorted((out / LANE_LABEL / mode).glob("attempt-*/record.json"),
-                       key=lambda path: path.stat().st_mtime)
-        if not found:
-            raise SystemExit(f"no {mode} record of the load test under {out / LANE_LABEL}; "
-                             f"run the real-engine lane first")
-        records[mode] = json.loads(found[-1].read_text()) | {"run_dir": str(found[-1].parent)}
-    return records
 
 
 def _percent(value: float | None) -> str:
@@ -112,8 +94,6 @@ def plot(summaries: dict, release: str, png: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--release", default="v0.32.0")
-    parser.add_argument("--from-lane", action="store_true",
-                        help="render the real-engine lane's records; run nothing")
     parser.add_argument("--json", help="also write the summaries here")
     parser.add_argument("--png", help="plot KV usage over time here (needs matplotlib)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
@@ -130,10 +110,7 @@ def main() -> int:
     from vllm_patches._catalog import releases as _releases
 
     release = _releases.parse_release(args.release)
-    if args.from_lane:
-        records = lane_records(Path(engine_lane.engine_env(release)["VLLM_PATCHES_E2E_OUT"]))
-    else:
-        records = engine_lane.measure_in_engine_venv(release, Path(__file__))
+    records = engine_lane.measure_in_engine_venv(release, Path(__file__))
     summaries = {mode: analysis.load_summary(records[mode]) for mode in MODES}
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))

@@ -96,7 +96,8 @@ ENGINE_SETTINGS = {
                                              "tests/e2e/test_f2_load.py",
                                              "tests/e2e/test_pd_faults.py",
                                              "tests/e2e/test_nixl_push_pair.py",
-                                             "tests/e2e/test_hetero_tp_pair.py"),
+                                             "tests/e2e/test_hetero_tp_pair.py",
+                                             "tests/e2e/test_generated_pairs.py"),
                                       pair_connectors=("NixlConnector", "MultiConnector"),
                                       quiet_roles=("API server",)),
 }

@@ -93,13 +93,14 @@ DECODER_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
                    "vllm:num_requests_waiting")
 
 
-def push_config(name: str, connector: str) -> dict[str, Any]:
+def push_config(name: str, connector: str, lease: int = LEASE_S) -> dict[str, Any]:
     """The KV transfer config of both engines (a fixed engine id: the decoder names the
-    producer's before the producer answers): ``NixlPushConnector`` itself, or
-    ``MultiConnector`` with it as its one child (which takes the parent's engine id)."""
+    producer's before the producer answers), lease ``lease`` seconds:
+    ``NixlPushConnector`` itself, or ``MultiConnector`` with it as its one child (which
+    takes the parent's engine id)."""
     push = {"kv_connector": "NixlPushConnector", "kv_role": "kv_both",
             "kv_buffer_device": "cpu", "kv_connector_extra_config": {
-                "kv_lease_duration": LEASE_S,
+                "kv_lease_duration": lease,
                 "push_registration_timeout": REGISTRATION_TIMEOUT_S}}
     if connector == "MultiConnector":
         return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
@@ -153,14 +154,18 @@ def decode_payload(prompt: list[int], n: int, rid: str, tokens: int) -> dict[str
 
 
 def legs(pair: PushPair, rid: str, prompt: list[int], p_n: int, d_n: int,
-         tokens: int = DECODE_TOKENS, **decode_kw: Any) -> dict[str, Any]:
-    """Both legs of one prompt at once, as the push proxy sends them."""
+         tokens: int = DECODE_TOKENS, decode_params: dict[str, Any] | None = None,
+         **decode_kw: Any) -> dict[str, Any]:
+    """Both legs of one prompt at once, as the push proxy sends them; ``decode_params``:
+    more ``kv_transfer_params`` of the decode leg (the probe's stall key)."""
     headers = {"X-Request-Id": rid}
     started = time.monotonic()
+    payload = decode_payload(prompt, d_n, rid, tokens)
+    payload["kv_transfer_params"].update(decode_params or {})
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(call, pair.producer, prefill_payload(prompt, p_n), headers=headers,
                         limit_s=HANG_LIMIT_S)
-        d = pool.submit(call, pair.decoder, decode_payload(prompt, d_n, rid, tokens),
+        d = pool.submit(call, pair.decoder, payload,
                         headers=headers, **{"limit_s": HANG_LIMIT_S, **decode_kw})
         prefill_call, decode_call = p.result(), d.result()
     return {"rid": rid, "p_n": p_n, "d_n": d_n, "prompt_tokens": len(prompt),

@@ -789,9 +789,16 @@ def nixl_push(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     return push.run(run_dir, args)
 
 
+def generated(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """One seeded pair, its shape drawn by ``generated.draw`` (``args``)."""
+    import generated as drawn
+
+    return drawn.run(run_dir, args)
+
+
 SCENARIOS = {"f1_cross_group": f1_cross_group, "nixl_pair": nixl_pair,
              "f3_early_notification": f3_early_notification, "nixl_load": nixl_load,
-             "nixl_faults": nixl_faults, "nixl_push": nixl_push}
+             "nixl_faults": nixl_faults, "nixl_push": nixl_push, "generated": generated}
 
 
 def main() -> int:

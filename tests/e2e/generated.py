@@ -1,0 +1,336 @@
+"""Seeded scenarios: one real NIXL prefill/decode pair per seed, its shape drawn by ``draw``,
+checked by ``violations`` (``test_generated_pairs.py``, ``tools/scenario_search.py``).
+
+The other e2e scenarios each pick the n, lengths, lease, order and timing that make their
+case happen; a fix holds only if it holds for shapes nobody picked. ``draw(seed)`` picks
+them (a pure function of the seed); ``run`` drives the pair through them (the scenario
+``generated`` of ``scenarios.py``) and records what the invariants need; ``violations``
+says which invariants a fixed run broke (they hold for what every fix promises, so stock
+breaks some of them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from analysis import parent_of, prompt_kv_problems
+from e2e_probe import STALL_KEY
+from faults import call, decode_payload, flow_record, tokens_of
+from harness import block_size, probe_events
+from push import PRODUCER_SIDE_PORT, legs, push_config
+from scenarios import (
+    Breakdown,
+    decoder_tp_args,
+    log_lines,
+    metric,
+    nixl_server,
+    poke,
+    prefill,
+)
+
+DECODER_SEQS = (2, 4, 8)
+LEASES = (12, 20, 30)
+FAULTS = ("none", "abort", "stall")
+# A client call with no answer after this long is hung (a drawn run's longest call, n = 8
+# children in waves of 2 with 96 tokens each, takes well under a minute here).
+CLIENT_LIMIT_S = 150
+# The producer steps at least this often while traffic runs, as a serving producer does
+# (it reads notifications and releases expired prompts only in a step).
+PRODUCER_STEP_S = 0.5
+# A decode leg that reached the decoder later than this before its prompt's lease ran
+# out was late by the client's doing (the decoder's first heartbeat for it comes with a
+# step, up to a heartbeat interval, lease / 6, later): its prompt may expire.
+LATE_MARGIN_S = 2.0
+EXPIRED = "Releasing expired KV blocks"
+INVALID = "Potentially invalid KV blocks"
+
+
+def draw(seed: int) -> dict[str, Any]:
+    """The pair and traffic of ``seed``; the same seed draws the same dict."""
+    rng = random.Random(seed)
+    mode = rng.choice(["pull", "push"])
+    prompts = []
+    for _ in range(rng.randint(1, 3)):
+        blocks = rng.randint(1, 6)
+        # A partial last block: the last of ``blocks`` holds 1..15 tokens (under every
+        # release's block size).
+        tail = rng.randint(1, 15) if rng.random() < 0.5 else 0
+        prompts.append({"n": rng.randint(1, 8), "full_blocks": blocks - (tail > 0),
+                        "tail": tail, "tokens": rng.randint(4, 96)})
+    concurrent = rng.random() < 0.5
+    params = {
+        "seed": seed, "mode": mode,
+        "connector": rng.choice(["plain", "MultiConnector"]),
+        "prompts": prompts,
+        "decoder_seqs": rng.choice(DECODER_SEQS),
+        "lease": rng.choice(LEASES),
+        "arrival": "concurrent" if concurrent else "sequential",
+        "offsets": [round(rng.uniform(0, 3), 1) for _ in prompts] if concurrent else None,
+        "order": rng.choice(["prefill", "reversed"]),
+        # Push mode's decoder names the producer's TP size 1 in its registrations; the
+        # heterogeneous-TP pair is a pull pair (test_hetero_tp_pair.py).
+        "decoder_tp": rng.choice([1, 2]) if mode == "pull" else 1,
+    }
+    fault = rng.choice(FAULTS)
+    params["fault"] = {"kind": fault}
+    if fault != "none":
+        params["fault"]["prompt"] = rng.randrange(len(prompts))
+    if fault == "abort":
+        params["fault"]["after_s"] = round(rng.uniform(0.3, 4.0), 1)
+    if fault == "stall":
+        params["fault"]["stall_s"] = params["lease"] + 2
+    return params
+
+
+def prompt_digest(prompt: list[int]) -> str:
+    """What the probe's ``prompt_kv`` events name a prompt by (``e2e_probe``)."""
+    return hashlib.sha1(repr(list(prompt)).encode()).hexdigest()[:16]
+
+
+def connector_name(params: dict[str, Any]) -> str:
+    if params["connector"] == "MultiConnector":
+        return "MultiConnector"
+    return "NixlConnector" if params["mode"] == "pull" else "NixlPushConnector"
+
+
+class DrawnPair:
+    """The producer (TP 1) and the decoder the draw asks for, KV transfer config of its
+    mode, connector and lease."""
+
+    def __init__(self, run_dir: Path, params: dict[str, Any]) -> None:
+        connector, lease = connector_name(params), params["lease"]
+        transfer = {role: push_config(role, params["connector"], lease)
+                    if params["mode"] == "push" else None for role in ("producer", "decoder")}
+        self.producer = nixl_server("producer", run_dir, 8100, PRODUCER_SIDE_PORT, core=0,
+                                    connector=connector, lease=lease,
+                                    kv_transfer=transfer["producer"])
+        self.decoder = nixl_server("decoder", run_dir, 8200, PRODUCER_SIDE_PORT + 1, core=1,
+                                   connector=connector, lease=lease,
+                                   kv_transfer=transfer["decoder"],
+                                   max_num_seqs=params["decoder_seqs"],
+                                   **decoder_tp_args(params["decoder_tp"]))
+        self.ready = {"producer_s": round(self.producer.wait_ready(), 1),
+                      "decoder_s": round(self.decoder.wait_ready(), 1)}
+
+
+def _fault_kw(params: dict[str, Any], index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(more ``kv_transfer_params`` of prompt ``index``'s decode leg, more ``call``
+    arguments of it) for the drawn fault."""
+    fault = params["fault"]
+    if fault.get("prompt") != index:
+        return {}, {}
+    if fault["kind"] == "stall":
+        return {STALL_KEY: fault["stall_s"]}, {}
+    return {}, {"disconnect_after_s": fault["after_s"]}
+
+
+def _pull_prompt(pair: DrawnPair, params: dict[str, Any], index: int, prompt: list[int],
+                 flow: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Prompt ``index``'s decode leg (after its prefill ``flow``, prefilled here if None)."""
+    spec = params["prompts"][index]
+    flow = flow or prefill(pair.producer, prompt, spec["n"])
+    extra_params, extra_kw = _fault_kw(params, index)
+    payload = decode_payload(flow, spec["tokens"])
+    payload["kv_transfer_params"] = {**flow["params"], **extra_params}
+    started = time.monotonic()
+    outcome = call(pair.decoder, payload, limit_s=CLIENT_LIMIT_S, **extra_kw)
+    return {**flow_record(flow), "index": index, "key": parent_of(flow["remote_request_id"])
+            or flow["remote_request_id"], "t_decode_start": started, "decode": outcome,
+            "t_end": time.monotonic()}
+
+
+def _push_prompt(pair: DrawnPair, params: dict[str, Any], index: int,
+                 prompt: list[int]) -> dict[str, Any]:
+    spec = params["prompts"][index]
+    rid = f"gen-{params['seed']}-{index}"
+    extra_params, extra_kw = _fault_kw(params, index)
+    both = legs(pair, rid, prompt, spec["n"], spec["n"], spec["tokens"],
+                decode_params=extra_params, limit_s=CLIENT_LIMIT_S, **extra_kw)
+    # Both legs start together: the decode leg is never late.
+    return {**both, "index": index, "key": rid, "n": spec["n"],
+            "t_prefilled": both["t_start"], "t_decode_start": both["t_start"],
+            "t_end": time.monotonic()}
+
+
+def _traffic(pair: DrawnPair, params: dict[str, Any],
+             prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Every prompt through the pair as drawn; one record per prompt, in index order."""
+    order = list(range(len(prompts)))
+    if params["order"] == "reversed":
+        order.reverse()
+    one = _pull_prompt if params["mode"] == "pull" else _push_prompt
+    if params["arrival"] == "sequential":
+        done = [one(pair, params, i, prompts[i]) for i in order]
+        return sorted(done, key=lambda flow: flow["index"])
+    starts = sorted(params["offsets"])
+    t0 = time.monotonic()
+
+    def push_at(k: int, i: int) -> dict[str, Any]:
+        time.sleep(max(0.0, t0 + starts[k] - time.monotonic()))
+        return _push_prompt(pair, params, i, prompts[i])
+
+    def prefill_at(i: int) -> dict[str, Any]:
+        time.sleep(max(0.0, t0 + starts[i] - time.monotonic()))
+        return prefill(pair.producer, prompts[i], params["prompts"][i]["n"])
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        if params["mode"] == "push":
+            futures = [pool.submit(push_at, k, i) for k, i in enumerate(order)]
+            return sorted((f.result() for f in futures), key=lambda flow: flow["index"])
+        # Pull: the prefills at their offsets in index order, then every decode leg at
+        # once in the drawn order (a prompt's decode leg within its lease).
+        flows = list(pool.map(prefill_at, range(len(prompts))))
+        futures = []
+        for i in order:
+            futures.append(pool.submit(_pull_prompt, pair, params, i, prompts[i], flows[i]))
+            time.sleep(0.2)
+        return sorted((f.result() for f in futures), key=lambda flow: flow["index"])
+
+
+def _keep_stepping(producer: Any, running: threading.Event, errors: list[str]) -> None:
+    while running.is_set():
+        try:
+            poke(producer)
+        except (Breakdown, RuntimeError) as error:  # recorded: ``violations`` reports it
+            errors.append(f"{type(error).__name__}: {error}"[:200])
+        time.sleep(PRODUCER_STEP_S)
+
+
+def usage(server: Any) -> dict[str, float]:
+    samples = server.metrics()
+    return {"kv_usage": metric(samples, "vllm:kv_cache_usage_perc"),
+            "requests": metric(samples, "vllm:num_requests_running")
+            + metric(samples, "vllm:num_requests_waiting")}
+
+
+def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
+    """The drawn pair: a warm-up prompt (n = 1, the NIXL handshakes), the drawn traffic
+    while the producer keeps stepping, then one lease after the last call ended the
+    producer stepped twice and both engines' KV usage read."""
+    pair = DrawnPair(run_dir, params)
+    prompts = [tokens_of(spec["full_blocks"], spec["tail"], 2_000 + 4_000 * i)
+               for i, spec in enumerate(params["prompts"])]
+    record: dict[str, Any] = {"params": params, "ready": pair.ready,
+                              "block_size": block_size(), "client_limit_s": CLIENT_LIMIT_S,
+                              "prompt_digests": [prompt_digest(p) for p in prompts]}
+    try:
+        warm = tokens_of(1, 4, 900)
+        if params["mode"] == "pull":
+            call(pair.decoder, decode_payload(prefill(pair.producer, warm, 1), 2),
+                 limit_s=CLIENT_LIMIT_S)
+        else:
+            legs(pair, f"gen-{params['seed']}-warm", warm, 1, 1, 2, limit_s=CLIENT_LIMIT_S)
+        running, errors = threading.Event(), []
+        running.set()
+        stepper = threading.Thread(target=_keep_stepping,
+                                   args=(pair.producer, running, errors), daemon=True)
+        record["t_traffic"] = time.monotonic()
+        stepper.start()
+        try:
+            record["flows"] = _traffic(pair, params, prompts)
+        finally:
+            running.clear()
+            stepper.join()
+        record["step_errors"] = errors
+        record["t_last_call"] = max(flow["t_end"] for flow in record["flows"])
+        time.sleep(max(0.0, record["t_last_call"] + params["lease"] + 1 - time.monotonic()))
+        poke(pair.producer)
+        poke(pair.producer)
+        record["t_final"] = time.monotonic()
+        record["final"] = {"producer": usage(pair.producer), "decoder": usage(pair.decoder)}
+    finally:
+        for server in (pair.producer, pair.decoder):
+            server.stop()
+    for name, server in (("producer", pair.producer), ("decoder", pair.decoder)):
+        record[f"{name}_lines"] = {needle: log_lines(server, 0, needle)
+                                   for needle in (EXPIRED, INVALID)}
+    return record
+
+
+# ---------------------------------------------------------------------------- invariants
+
+
+def violations(record: dict[str, Any]) -> list[str]:
+    """What the run in ``record`` broke of: no invalid-KV line; no prompt released by lease
+    unless its decode leg came late or a stall froze the decoder (then no READ of it after
+    the stall: F7); KV usage 0 a lease after; no call hung; each child holds the prompt KV."""
+    params, found = record["params"], []
+    run_dir = Path(record["run_dir"])
+    producer_events = probe_events(run_dir, "producer.probe.jsonl")
+    decoder_events = probe_events(run_dir, "decoder.probe.jsonl")
+    for role in ("producer", "decoder"):
+        for line in record[f"{role}_lines"][INVALID]:
+            found.append(f"invalid-KV line ({role}): {line.strip()[-200:]}")
+    expired = record["producer_lines"][EXPIRED]
+    stalls = [(s["t"], e["t"]) for s in decoder_events if s["event"] == "stall"
+              for e in decoder_events if e["event"] == "stalled" and e["req"] == s["req"]]
+    for flow in record["flows"]:
+        key = flow["key"]
+        lines = [line for line in expired if key in line]
+        if not lines:
+            continue
+        late = flow["t_decode_start"] > flow["t_prefilled"] + params["lease"] - LATE_MARGIN_S
+        frozen = [end for start, end in stalls
+                  if start <= flow["t_end"] and end >= flow["t_prefilled"]]
+        if late:
+            continue
+        if not frozen:
+            found.append(f"prompt {flow['index']} ({key}) released by lease: {lines[0][-160:]}")
+            continue
+        reads = [e for e in decoder_events if e["event"] == "read" and key in e["notif"]
+                 and e["t"] > min(frozen)]
+        if params["mode"] == "pull" and reads:
+            found.append(f"prompt {flow['index']} ({key}) released by lease during a stall "
+                         f"and READ after it ({len(reads)} READs)")
+    # Expired lines of prompts no flow names (the warm-up, or an id the keys miss).
+    known = [line for line in expired if any(flow["key"] in line for flow in record["flows"])]
+    for line in expired:
+        if line not in known:
+            found.append(f"a prompt released by lease that no drawn prompt names: {line[-160:]}")
+    found += [f"the producer failed a step: {error}" for error in record["step_errors"]]
+    for role, state in record["final"].items():
+        if state["kv_usage"] != 0:
+            found.append(f"{role} KV usage {state['kv_usage']} a lease after the last call")
+    for flow in record["flows"]:
+        for leg in ("prefill", "decode"):
+            if flow.get(leg, {}).get("hung"):
+                found.append(f"prompt {flow['index']}: its {leg} call hung "
+                             f"(no answer in {record['client_limit_s']} s)")
+    if params["decoder_tp"] == 1:
+        found += _kv_problems(record, producer_events, decoder_events)
+    return found
+
+
+def _kv_problems(record: dict[str, Any], producer_events: list[dict[str, Any]],
+                 decoder_events: list[dict[str, Any]]) -> list[str]:
+    """``analysis.prompt_kv_problems`` for every prompt whose decode leg was served whole
+    (its n choices) with KV the producer sent: not a stalled prompt the decoder computed
+    itself (no READ or WRITE of it)."""
+    params = record["params"]
+    advertised = {}
+    for event in producer_events:
+        if event["event"] == "prompt_kv":
+            advertised.setdefault(event["prompt"], event["req"])
+    flows = []
+    for flow in record["flows"]:
+        decode = flow["decode"]
+        if decode.get("status") != 200 or decode.get("choices") != flow["n"]:
+            continue
+        if params["fault"]["kind"] == "stall" and params["fault"]["prompt"] == flow["index"]:
+            continue
+        digest = record["prompt_digests"][flow["index"]]
+        remote = flow.get("remote_request_id") or advertised.get(digest, f"(none: {digest})")
+        flows.append({"remote_request_id": remote, "n": flow["n"]})
+    return [f"prompt KV: {problem}"
+            for problem in prompt_kv_problems(producer_events, decoder_events, flows)]
+
+
+def rerun_command(seed: int, mode: str = "fixed") -> str:
+    return (f".venv/bin/python tools/scenario_search.py --start {seed} --seeds 1"
+            + (" --mode stock" if mode == "stock" else ""))
