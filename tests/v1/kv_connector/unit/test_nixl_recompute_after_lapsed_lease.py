@@ -32,11 +32,14 @@ VOUCHED = 15
 STEP = 4
 
 
-def remote_prompt(n: int, *, blocker: bool = False, **extra_config) -> tuple:
+def remote_prompt(
+    n: int, *, blocker: bool = False, queued: float = 0.0, **extra_config
+) -> tuple:
     """A decoder with ``n`` requests of one remote prompt waiting (the children of
     a parallel-sampling request when ``n > 1``), and KV room for all of them. With
     ``blocker``, a local request takes the room first, so that the remote prompt
-    waits for blocks until it finishes (after 6 steps)."""
+    waits for blocks until it finishes (after 6 steps). ``queued``: seconds the
+    requests arrived at the front end before the engine core took them."""
     vllm_config = create_vllm_config(
         kv_connector_extra_config={**LEASE, **extra_config}
     )
@@ -52,6 +55,7 @@ def remote_prompt(n: int, *, blocker: bool = False, **extra_config) -> tuple:
         requests.append(local)
     children = remote_children(n, block_size, num_tokens, max_tokens=2)
     for child in children:
+        child.arrival_time -= queued
         scheduler.add_request(child)
     return scheduler, requests + children
 
@@ -98,6 +102,17 @@ def test_lapsed_lease_computes_prompt_locally(monkeypatch, lapse):
     assert read_or_computed(decoder, request) == "computed", (
         f"READ of a prompt whose lease may have lapsed ({lapse})"
     )
+
+
+def test_a_request_queued_past_the_bound_computes_prompt_locally(monkeypatch):
+    """A decode request that waited in the engine core's input queue (a stalled core
+    takes no input) longer than the decoder can vouch for the lease, counted from
+    its arrival at the front end: computed locally, never read. (A real pair: the
+    producer had released the prompt by lease, and the decoder READ it.)"""
+    Clock(monkeypatch)
+    scheduler, (request,) = remote_prompt(1, queued=VOUCHED + 1)
+    decoder = PullDecoder(scheduler, [request])
+    assert read_or_computed(decoder, request) == "computed"
 
 
 def test_renewed_lease_still_reads(monkeypatch):

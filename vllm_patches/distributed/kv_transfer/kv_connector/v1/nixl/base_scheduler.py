@@ -97,14 +97,18 @@ class NixlBaseConnectorScheduler:
     @call_at_end_of("on_new_request")
     def _start_lease_vouch(self, request: "Request") -> None:
         """A prompt the decoder starts tracking: the producer holds it for a full
-        extension from now (the proxy forwards the decode request as the prefill
-        finishes; kv_transfer_params carry no producer time to check that by)."""
+        extension from the decode request's arrival (the proxy forwards it as the
+        prefill finishes; kv_transfer_params carry no producer time to check by)."""
         key = self._heartbeat_req_engine.get(request.request_id)
         if key is None or key in self._lease_vouched_until:
             return
         window = self._lease_vouch_window
         if window is not None:
-            self._lease_vouched_until[key] = time.perf_counter() + window
+            # Counted from the front end's arrival stamp (time.time(), same host), not
+            # from now: a stalled or busy engine core takes no input, and a request
+            # that waited in its queue past the lease must not be read.
+            queued = max(0.0, time.time() - request.arrival_time)
+            self._lease_vouched_until[key] = time.perf_counter() - queued + window
 
     @filter_result_of("build_connector_meta")
     def _renew_lease_vouches(
