@@ -11,7 +11,6 @@ breaks some of them).
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
@@ -20,15 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from analysis import parent_of, prompt_kv_problems
-from e2e_probe import STALL_KEY
+from e2e_probe import STALL_KEY, prompt_digest
 from faults import call, decode_payload, flow_record, tokens_of
 from harness import block_size, probe_events
-from push import PRODUCER_SIDE_PORT, legs, push_config
+from push import DECODER_METRICS, PRODUCER_SIDE_PORT, legs, push_config, sample
 from scenarios import (
     Breakdown,
     decoder_tp_args,
     log_lines,
-    metric,
     nixl_server,
     poke,
     prefill,
@@ -86,11 +84,6 @@ def draw(seed: int) -> dict[str, Any]:
     if fault == "stall":
         params["fault"]["stall_s"] = params["lease"] + 2
     return params
-
-
-def prompt_digest(prompt: list[int]) -> str:
-    """What the probe's ``prompt_kv`` events name a prompt by (``e2e_probe``)."""
-    return hashlib.sha1(repr(list(prompt)).encode()).hexdigest()[:16]
 
 
 def connector_name(params: dict[str, Any]) -> str:
@@ -202,13 +195,6 @@ def _keep_stepping(producer: Any, running: threading.Event, errors: list[str]) -
         time.sleep(PRODUCER_STEP_S)
 
 
-def usage(server: Any) -> dict[str, float]:
-    samples = server.metrics()
-    return {"kv_usage": metric(samples, "vllm:kv_cache_usage_perc"),
-            "requests": metric(samples, "vllm:num_requests_running")
-            + metric(samples, "vllm:num_requests_waiting")}
-
-
 def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
     """The drawn pair: a warm-up prompt (n = 1, the NIXL handshakes), the drawn traffic
     while the producer keeps stepping, then one lease after the last call ended the
@@ -243,7 +229,8 @@ def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
         poke(pair.producer)
         poke(pair.producer)
         record["t_final"] = time.monotonic()
-        record["final"] = {"producer": usage(pair.producer), "decoder": usage(pair.decoder)}
+        record["final"] = {"producer": sample(pair.producer, DECODER_METRICS),
+                           "decoder": sample(pair.decoder, DECODER_METRICS)}
     finally:
         for server in (pair.producer, pair.decoder):
             server.stop()
@@ -295,8 +282,9 @@ def violations(record: dict[str, Any]) -> list[str]:
             found.append(f"a prompt released by lease that no drawn prompt names: {line[-160:]}")
     found += [f"the producer failed a step: {error}" for error in record["step_errors"]]
     for role, state in record["final"].items():
-        if state["kv_usage"] != 0:
-            found.append(f"{role} KV usage {state['kv_usage']} a lease after the last call")
+        if state["kv_cache_usage_perc"] != 0:
+            found.append(f"{role} KV usage {state['kv_cache_usage_perc']} a lease after "
+                         f"the last call")
     for flow in record["flows"]:
         for leg in ("prefill", "decode"):
             if flow.get(leg, {}).get("hung"):

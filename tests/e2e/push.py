@@ -30,9 +30,10 @@ Cases, in the order they run:
   its decode leg failed or hung: both legs again (what a gateway that retries
   sends: it keeps the request's id);
 - ``busy``: a local request with n = ``DECODER_SEATS`` takes every decoder seat until
-  its client leaves, ``BUSY_PAST_LEASE_S`` past prompt B's lease; meanwhile prompt A's legs (n=2) come and A's client leaves after
-  ``ABORT_AFTER_S`` (its children aborted before they were scheduled), and prompt B's legs
-  (n=2) come and B waits (its decoder heartbeats while its children wait for seats);
+  its client leaves, ``BUSY_PAST_LEASE_S`` past prompt B's lease; meanwhile prompt A's
+  legs (n=2) come and A's client leaves after ``ABORT_AFTER_S`` (its children aborted
+  before they were scheduled), and prompt B's legs (n=2) come and B waits (its decoder
+  heartbeats while its children wait for seats);
 - ``slow``: one prompt (n=1) whose WRITE the producer's probe reports in flight for
   ``SLOW_WRITE_S``, past the prompt's lease (a slow link, as NIXL would report it).
 """

@@ -260,6 +260,13 @@ def _probe_nixl() -> None:
          make_register_kv_caches)
 
 
+def prompt_digest(token_ids: Any) -> str:
+    """What ``prompt_kv`` events name a prompt by: a digest of its token ids."""
+    import hashlib
+
+    return hashlib.sha1(repr(list(token_ids)).encode()).hexdigest()[:16]
+
+
 def _probe_prompt_kv(kv_caches: dict[str, Any]) -> None:
     """Record ``prompt_kv`` for each request of this worker (see the module docstring).
 
@@ -291,8 +298,8 @@ def _probe_prompt_kv(kv_caches: dict[str, Any]) -> None:
         # The blocks without the prompt's last token (the decoder computes that one).
         full = (state.num_prompt_tokens - 1) // runner.cache_config.block_size
         blocks = list(state.block_ids[0][:full])
-        tokens = hashlib.sha1(repr(list(state.prompt_token_ids)).encode()).hexdigest()[:16]
-        emit("prompt_kv", req=req_id, prompt=tokens, blocks=blocks,
+        emit("prompt_kv", req=req_id, prompt=prompt_digest(state.prompt_token_ids),
+             blocks=blocks,
              full=[block_bytes(runner, block) for block in blocks])
 
     def make_execute_model(original: Any) -> Any:
