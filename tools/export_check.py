@@ -109,7 +109,8 @@ def check_release(release: Version, fixes: list[_series.Fix], hooks_only: bool,
 def exported_tests(series: _series.Series, fix: _series.Fix, release: Version) -> list[str]:
     """The tests ``export`` sends with ``fix`` on ``release``: its own and those of the
     fixes it requires that the release needs (a requirement upstream there is not sent)."""
-    return [t for f in series.with_requirements(fix) if f.on(release).needed for t in f.tests]
+    return [t for f in series.with_requirements(fix, release) if f.on(release).needed
+            for t in f.tests]
 
 
 def check_tests(release: Version, series: _series.Series, fixes: list[_series.Fix],

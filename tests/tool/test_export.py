@@ -27,7 +27,7 @@ NEWEST = max(SERIES.lanes)
 NAME, EMAIL = CONTRIBUTOR_NAME, CONTRIBUTOR_EMAIL
 SIGN_OFF = f"Signed-off-by: {NAME} <{EMAIL}>"
 # A fix that needs another one, and the newest lane where that shows.
-DEPENDENT = next(fix for fix in SERIES.fixes if fix.requires and fix.on(NEWEST).needed)
+DEPENDENT = next(fix for fix in SERIES.fixes if fix.requires_on(NEWEST) and fix.on(NEWEST).needed)
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +80,7 @@ def test_every_fix_exports_alone_with_what_it_requires(release, contributor):
     for fix in SERIES.applicable(release):
         export = _export.build(SERIES, fix, release, tree, identity)
         assert export.applies, [step.line() for step in export.steps]
-        assert [f.id for f in export.fixes] == [f.id for f in SERIES.with_requirements(fix)
+        assert [f.id for f in export.fixes] == [f.id for f in SERIES.with_requirements(fix, release)
                                                 if f.on(release).needed]
         for (name, text), each in zip(export.patches, export.fixes, strict=True):
             total = len(export.fixes)
@@ -102,7 +102,7 @@ def test_exported_series_git_am_cleanly_with_tags_sign_off_and_tests(contributor
         assert code == EXIT_OK
         am_line = next(line for line in out.splitlines() if "git am --keep-non-patch" in line)
         patches = am_line.split("git am --keep-non-patch ")[1].split()
-        fixes = [f for f in SERIES.with_requirements(fix) if f.on(NEWEST).needed]
+        fixes = [f for f in SERIES.with_requirements(fix, NEWEST) if f.on(NEWEST).needed]
         assert len(patches) == len(fixes)
         cover = (output / _export.COVER_FILE).read_text()
         title = fix.series_title if len(fixes) > 1 else fix.title
@@ -140,7 +140,7 @@ def test_stdout_is_an_mbox_for_git_am(contributor, vllm_clone, capsys):
     code, out, err = run(capsys, "export", DEPENDENT.id, "--release", f"v{NEWEST}")
     assert code == EXIT_OK
     assert f"{DEPENDENT.id} requires" in err and "git am --keep-non-patch" in err
-    total = len(SERIES.with_requirements(DEPENDENT))
+    total = len(SERIES.with_requirements(DEPENDENT, NEWEST))
     assert out.count("\nSubject: [PATCH ") == total and f"[PATCH {total}/{total}]" in out
     base = git(vllm_clone, "rev-parse", "HEAD").strip()
     subprocess.run(["git", "-C", str(vllm_clone), "am", "--quiet", "--keep-non-patch"],
@@ -149,7 +149,7 @@ def test_stdout_is_an_mbox_for_git_am(contributor, vllm_clone, capsys):
 
 
 def test_a_single_patch_is_not_numbered(contributor, capsys):
-    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires_on(NEWEST))
     code, out, _ = run(capsys, "export", fix.id, "--release", f"v{NEWEST}")
     assert code == EXIT_OK
     assert f"Subject: [PATCH] {fix.title[:30]}" in out.replace("\n ", " ")
@@ -162,7 +162,7 @@ def test_onto_applies_signed_off_commits_on_the_branch(contributor, any_clone, c
     code, out, _ = run(capsys, "export", DEPENDENT.id, "--onto", str(vllm_clone), "--check")
     assert code == EXIT_OK and "check passed" in out
     assert git_state(vllm_clone) == before
-    fixes = SERIES.with_requirements(DEPENDENT)
+    fixes = SERIES.with_requirements(DEPENDENT, NEWEST)
     for number, fix in enumerate(fixes, start=1):
         assert f"{number}/{len(fixes)} {fix.id} {fix.slug}: applies" in out
 
@@ -207,7 +207,7 @@ def test_onto_a_conflict_is_reported_per_patch_and_changes_nothing(contributor, 
 
 
 def test_onto_a_checkout_that_has_the_fix_already_is_refused(contributor, vllm_clone, capsys):
-    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires_on(NEWEST))
     git(vllm_clone, "am", "--quiet", "--keep-non-patch", str(release_patch(fix)))
     before = git_state(vllm_clone)
     for extra in ([], ["--3way"]):
@@ -218,7 +218,7 @@ def test_onto_a_checkout_that_has_the_fix_already_is_refused(contributor, vllm_c
 
 
 def test_onto_three_way_merges_an_edited_context_line(contributor, vllm_clone, capsys):
-    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires_on(NEWEST))
     lines = release_patch(fix).read_text().splitlines()
     target = next(line[6:] for line in lines if line.startswith("+++ b/"))
     # The first line of the first hunk: context, three lines away from the change.
@@ -241,7 +241,7 @@ def test_onto_three_way_merges_an_edited_context_line(contributor, vllm_clone, c
 @pytest.mark.parametrize("state", ["am-in-progress", "staged", "dirty", "untracked-test"])
 def test_onto_refuses_a_busy_or_dirty_checkout_and_leaves_it_as_it_was(
         state, contributor, vllm_clone, capsys):
-    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires_on(NEWEST))
     if state == "am-in-progress":
         (vllm_clone / "README.md").write_text("local\n")
         git(vllm_clone, "commit", "--quiet", "-am", "readme")
@@ -356,15 +356,15 @@ def test_the_description_is_the_bases_template_filled_in(release, contributor, t
     purpose = cover.split(headings[0] + "\n\n")[1].split("\n\n")[0]
     words = DEPENDENT.on(release).words
     assert words is not None and purpose == " ".join(words.purpose.split())
-    for fix in SERIES.with_requirements(DEPENDENT):
+    for fix in SERIES.with_requirements(DEPENDENT, NEWEST):
         assert fix.title.rpartition("] ")[2] in cover
-    assert "```bash\npytest -q " + SERIES.with_requirements(DEPENDENT)[0].tests[0] in cover
+    assert "```bash\npytest -q " + SERIES.with_requirements(DEPENDENT, NEWEST)[0].tests[0] in cover
 
 
 def test_the_template_is_the_bases_own(contributor, vllm_clone, tmp_path, capsys):
     """A base whose template has another section and item: those are kept (the section
     left to the contributor, said so); a base with none gets upstream's sections."""
-    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    fix = next(f for f in SERIES.applicable(NEWEST) if not f.requires_on(NEWEST))
     path = vllm_clone / _export.TEMPLATE
     template = path.read_text().replace("\n---\n", "\n## AI Assistance\n\n---\n", 1).replace(
         "</details>", "- [ ] The AI assistance used, if any.\n</details>")
@@ -392,8 +392,8 @@ def test_a_series_is_titled_for_the_series(contributor, tmp_path, capsys):
     output, _ = export_dir(capsys, tmp_path, DEPENDENT, "--release", f"v{NEWEST}")
     title = (output / _export.TITLE_FILE).read_text().strip()
     assert title == DEPENDENT.pr_title
-    assert title not in {f.title for f in SERIES.with_requirements(DEPENDENT)}
-    single = next(f for f in SERIES.applicable(NEWEST) if not f.requires)
+    assert title not in {f.title for f in SERIES.with_requirements(DEPENDENT, NEWEST)}
+    single = next(f for f in SERIES.applicable(NEWEST) if not f.requires_on(NEWEST))
     assert single.series_title == single.title
 
 
@@ -543,11 +543,11 @@ def test_an_upstream_test_the_series_changes_is_updated_in_its_patch(contributor
     """The series carries, as a small change of upstream's own test module (not a copy
     of it), each upstream test whose expectation it changes; the description says so."""
     fix = next(f for f in SERIES.applicable(NEWEST)
-               if any(each.test_overlays for each in SERIES.with_requirements(f)))
+               if any(each.test_overlays for each in SERIES.with_requirements(f, NEWEST)))
     output, _ = export_dir(capsys, tmp_path, fix, "--release", f"v{NEWEST}")
     patches = "".join(p.read_text() for p in sorted(output.glob("*.patch")))
     cover = (output / _export.COVER_FILE).read_text()
-    for test in (t for f in SERIES.with_requirements(fix) for t in f.test_overlays):
+    for test in (t for f in SERIES.with_requirements(fix, NEWEST) for t in f.test_overlays):
         diff = patches.split(f"diff --git a/{test} b/{test}\n")[1].split("\ndiff --git")[0]
         assert "new file mode" not in diff
         changed = [line for line in diff.splitlines()[3:] if line[:1] in "+-"]

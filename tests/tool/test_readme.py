@@ -51,12 +51,14 @@ def possible_lines(release: Version) -> set[str]:
     ids = [fix.id for fix in SERIES.fixes]
     choices = [ids, *([i] for i in ids), *([a, b] for a in ids for b in ids if a < b)]
     lines = set()
-    requirements = {fix.id: set(fix.requires) for fix in SERIES.fixes}
     for chosen in choices:
-        if any(not requirements[i] <= set(chosen) for i in chosen):
+        environ = {_runtime.ENV_FIXES: ",".join(chosen)}
+        ids = _runtime.selected_ids(SERIES, environ)
+        try:
+            _runtime.require_requirements(SERIES, release, ids, environ)
+        except _runtime.ActivationError:
             continue  # refused: a fix without one it requires (test_runtime)
-        states = _runtime.fix_states(SERIES, release, _runtime.selected_ids(
-            SERIES, {_runtime.ENV_FIXES: ",".join(chosen)}))
+        states = _runtime.fix_states(SERIES, release, ids)
         lines.add(_runtime.Activation(release, states).line())
         for state in states:
             if state.state == _runtime.ACTIVE:

@@ -798,9 +798,18 @@ def test_a_fix_chosen_without_one_it_requires_activates_nothing():
     """F3's hooks build on F2's (F3.toml requires): VLLM_PATCHES_FIXES=F3 alone would run
     half a fix, so it is refused as a bad value (no fix active, the ERROR line says why),
     as `apply --fix F3` is refused on a checkout."""
+    def check(fixes: str, release: str) -> None:
+        environ = {"VLLM_PATCHES_FIXES": fixes}
+        ids = _runtime.selected_ids(SERIES, environ)
+        _runtime.require_requirements(SERIES, Version(release), ids, environ)
+
     with pytest.raises(ActivationError, match="VLLM_PATCHES_FIXES='F3,F4': F3 requires F2"):
-        _runtime.selected_ids(SERIES, {"VLLM_PATCHES_FIXES": "F3,F4"})
-    assert _runtime.selected_ids(SERIES, {"VLLM_PATCHES_FIXES": "F2,F3"}) == ["F2", "F3"]
+        check("F3,F4", "0.21.0")
+    check("F2,F3", "0.21.0")
+    # F20 requires F4 only where F4 hooks the same methods (F20.toml, requires_from).
+    check("F20", "0.18.1")
+    with pytest.raises(ActivationError, match="F20 requires F4"):
+        check("F20", "0.21.0")
 
 
 def test_supported_range_is_oldest_lane_series_to_newest_lane():

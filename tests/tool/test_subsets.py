@@ -57,21 +57,21 @@ def test_a_conflict_blocks_only_the_fixes_that_require_it(checkout, capsys):
     before = snapshot(checkout)
     code, _, err = run(capsys, "apply", str(checkout))
     assert code == EXIT_REFUSED and len(err.strip().splitlines()) == 1, err
-    again = f"vllm-patches apply --fix F2,F3,F4,F5 {checkout}"
+    again = f"vllm-patches apply --fix F2,F3,F4,F5,F20 {checkout}"
     assert err.startswith("vllm-patches: refused: F1 conflicts: ") and f"`{again}`" in err
     assert snapshot(checkout) == before
     code, _, err = run(capsys, "apply", "--no-commit", "--check", str(checkout))
-    assert code == EXIT_REFUSED and "apply --no-commit --check --fix F2,F3,F4,F5" in err
+    assert code == EXIT_REFUSED and "apply --no-commit --check --fix F2,F3,F4,F5,F20" in err
 
     code, out, _ = run(capsys, *again.split()[1:])
-    assert code == EXIT_OK and "done: F2, F3, F4, F5" in out
-    assert subjects(checkout, base) == [title(f) for f in ("F2", "F3", "F4", "F5")]
+    assert code == EXIT_OK and "done: F2, F3, F4, F5, F20" in out
+    assert subjects(checkout, base) == [title(f) for f in ("F2", "F3", "F4", "F5", "F20")]
     code, out, _ = run(capsys, "status", str(checkout))
     found = states(out)
     assert code == EXIT_REFUSED and found["F1"].startswith("conflict (")
-    assert [found[f] for f in ("F2", "F3", "F4", "F5")] == ["applied"] * 4
+    assert [found[f] for f in ("F2", "F3", "F4", "F5", "F20")] == ["applied"] * 5
     code, out, _ = run(capsys, "revert", str(checkout))
-    assert code == EXIT_OK and "done: F2, F3, F4, F5" in out
+    assert code == EXIT_OK and "done: F2, F3, F4, F5, F20" in out
     assert git(checkout, "diff", base, "HEAD") == ""
 
 
@@ -91,7 +91,7 @@ def test_a_fix_whose_requirement_conflicts_is_blocked(checkout, capsys):
     code, _, err = run(capsys, "apply", str(checkout))
     assert code == EXIT_REFUSED and "F2 conflicts: " in err
     assert "F3 is blocked: requires F2, which conflicts" in err
-    assert f"`vllm-patches apply --fix F1,F4,F5 {checkout}` applies F1, F4, F5" in err
+    assert f"`vllm-patches apply --fix F1,F4,F5,F20 {checkout}` applies F1, F4, F5, F20" in err
 
 
 SERIES_F2_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/worker.py"
@@ -135,7 +135,8 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F19": "not applicable (needed on vLLM >=0.24.0,<0.28.0, not on "
                                   "v0.21.0)",
                            "F18": "not applicable (needed on vLLM >=0.30.0,<0.31.0, not on "
-                                  "v0.21.0)"}
+                                  "v0.21.0)",
+                           "F20": "applicable (0006-F20-idle-engine-steps-for-held-kv.patch)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]
     code, out, _ = run(capsys, "apply", "--fix", "F5,F3", "--check", str(checkout))
@@ -167,7 +168,20 @@ def test_a_fix_without_what_it_requires_is_refused(checkout, capsys):
     code, _, err = run(capsys, "apply", "--fix", "F3", str(checkout))
     assert code == EXIT_REFUSED and len(err.strip().splitlines()) == 1
     assert "F3 requires F2, which is neither applied nor chosen: add --fix F2" in err
+    # F20's patch meets F4's from v0.20.0 on (F20.toml, requires_from).
+    code, _, err = run(capsys, "apply", "--fix", "F20", str(checkout))
+    assert code == EXIT_REFUSED
+    assert "F20 requires F4, which is neither applied nor chosen: add --fix F4" in err
     assert snapshot(checkout) == before
+
+
+def test_a_requirement_binds_only_from_its_release(tmp_path, capsys):
+    """v0.18.1 has no F4: F20, which requires it from v0.20.0, applies alone."""
+    checkout = clone(_releases.fetch(_series.Version("0.18.1")), tmp_path / "vllm")
+    code, out, _ = run(capsys, "apply", "--fix", "F20", str(checkout))
+    assert code == EXIT_OK and "done: F20" in out
+    found = states(run(capsys, "status", str(checkout))[1])
+    assert found["F20"] == "applied" and found["F4"].startswith("not applicable")
 
 
 @pytest.mark.parametrize("given", ["F99", "F2,f4", "F2,,F99"])

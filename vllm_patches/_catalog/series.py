@@ -171,6 +171,16 @@ def _pull_request_fields(data: dict, path: Path) -> dict[str, object]:
             "pr_relation": export.get("relation", "").strip()}
 
 
+def _requirements_from(data: dict, path: Path) -> tuple[tuple[str, Version], ...]:
+    """``requires_from``: for some of ``requires``, the release the requirement starts at."""
+    starts = data.get("requires_from", {})
+    stray = set(starts) - set(data.get("requires", ()))
+    if stray:
+        raise ValueError(f"{path}: requires_from names {', '.join(sorted(stray))}, "
+                         "which requires does not")
+    return tuple((fix_id, Version(since)) for fix_id, since in sorted(starts.items()))
+
+
 def _run_time_requirements(data: dict, path: Path) -> tuple[str, ...]:
     """``requires_at_run_time``: a part of ``requires``."""
     at_run_time = tuple(data.get("requires_at_run_time", ()))
@@ -217,6 +227,9 @@ class Fix:
     # (tests/tool/test_dependencies.py proves the others on the patches; the fix's own
     # tests prove these, failing without them).
     requires_at_run_time: tuple[str, ...] = ()
+    # Of ``requires``, those that hold only from a release on (fix id, release): where
+    # the two fixes' patches first touch the same lines (CONTRIBUTING.md, Overlays).
+    requires_from: tuple[tuple[str, Version], ...] = ()
     # The pull request `export` sends for this fix and what it requires (``export.*``):
     # its title when that is a series of several commits, its purpose and details per
     # base (``on(release).words``), and how it relates to the open upstream PR ``pr``
@@ -249,6 +262,7 @@ class Fix:
             future=data["future"],
             requires=tuple(data.get("requires", ())),
             requires_at_run_time=_run_time_requirements(data, path),
+            requires_from=_requirements_from(data, path),
             overlays=tuple(data["overlays"]),
             tests=tuple(data["tests"]),
             stock_fails=tuple(data["stock_fails"]),
@@ -275,6 +289,12 @@ class Fix:
     @property
     def name(self) -> str:
         return f"{self.id}-{self.slug}"
+
+    def requires_on(self, release: Version) -> tuple[str, ...]:
+        """The ids of the fixes this one requires on ``release``: ``requires``, less
+        those whose ``requires_from`` is a later release."""
+        starts = dict(self.requires_from)
+        return tuple(f for f in self.requires if f not in starts or release >= starts[f])
 
     def overlay_path(self, overlay: str) -> Path:
         return PACKAGE_DIR / overlay
@@ -376,12 +396,13 @@ class Series:
         known = ", ".join(f.id for f in self.fixes)
         raise UserError(f"unknown fix {fix_id!r} (the series has {known})")
 
-    def with_requirements(self, fix: Fix) -> list[Fix]:
-        """``fix`` and every fix it requires, directly or not, in series order."""
+    def with_requirements(self, fix: Fix, release: Version) -> list[Fix]:
+        """``fix`` and every fix it requires on ``release``, directly or not, in series
+        order (``Fix.requires_on``)."""
         wanted = {fix.id}
         pending = [fix]
         while pending:
-            for required in pending.pop().requires:
+            for required in pending.pop().requires_on(release):
                 if required not in wanted:
                     wanted.add(required)
                     pending.append(self.fix(required))

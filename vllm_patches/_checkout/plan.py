@@ -121,7 +121,7 @@ class Plan:
     def required(self, fix: Fix) -> list[int]:
         """The patches of this release whose fixes ``fix`` requires, directly or not (a
         requirement upstream or not needed here has none)."""
-        ids = {f.id for f in self.series.with_requirements(fix) if f is not fix}
+        ids = {f.id for f in self.series.with_requirements(fix, self.release) if f is not fix}
         return [n for n, patch in enumerate(self.patches, start=1) if patch.fix.id in ids]
 
     def stranded(self, numbers: Numbers) -> list[tuple[Fix, list[str]]]:

@@ -143,6 +143,7 @@ def _activation(environ: Mapping[str, str], load: bool, registered: bool,
         ids = _runtime.selected_ids(series, environ)
         basis = _runtime.release_basis(
             version, series, ids, _runtime.env_flag(environ, _runtime.ENV_ALLOW_UNSUPPORTED))
+        _runtime.require_requirements(series, basis.release, ids, environ)
     except UserError as exc:
         reason = str(exc).removeprefix("vllm-patches: ")
         if strict is not False:  # set, or unreadable: the plugin raises
@@ -171,9 +172,9 @@ def plugin_left_out(environ: Mapping[str, str]) -> Finding | None:
 
 
 def unknown_fixes(environ: Mapping[str, str], series: _series.Series) -> Finding | None:
-    """BAD where ``VLLM_PATCHES_FIXES`` names a fix the series lacks, or a fix without one
-    it requires (the plugin would activate none): said even without vLLM here, where no
-    activation is computed."""
+    """BAD where ``VLLM_PATCHES_FIXES`` names a fix the series lacks (the plugin would
+    activate none): said even without vLLM here, where no activation is computed (nor
+    what a fix requires, which depends on the release)."""
     try:
         _runtime.selected_ids(series, environ)
     except _runtime.ActivationError as exc:

@@ -199,7 +199,7 @@ def build(series: Series, fix: Fix, release: Version, repo: Path, contributor: C
     it: ``_releases.is_archive_import``) is unknown upstream: the description names
     the upstream commit the release was built from instead, and no patch names a base.
     """
-    wanted = series.with_requirements(fix)
+    wanted = series.with_requirements(fix, release)
     fixes = tuple(f for f in wanted if f.on(release).needed)
     if fix.on(release).need is _series.Need.UPSTREAM:
         raise Refused(f"{fix.id} is upstream on v{release}: vLLM has had it since "

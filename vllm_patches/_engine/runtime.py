@@ -158,7 +158,7 @@ def env_flag(environ: Mapping[str, str], name: str) -> bool:
 
 def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
     """The fix ids ``VLLM_PATCHES_FIXES`` names (all when unset), in series order; an
-    unknown id, or a fix named without one it requires, is an ActivationError."""
+    unknown id is an ActivationError (a missing requirement: ``require_requirements``)."""
     known = [fix.id for fix in series.fixes]
     raw = environ.get(ENV_FIXES, "").strip()
     if raw.lower() in ("", "all"):
@@ -169,13 +169,19 @@ def selected_ids(series: Series, environ: Mapping[str, str]) -> list[str]:
         raise ActivationError(f"{ENV_FIXES} names unknown {word(len(unknown), 'fix', 'fixes')} "
                               f"{', '.join(unknown)} "
                               f"(the series has {', '.join(known)})")
-    # F3's hooks build on F2's: a fix without one it requires would run half a fix.
-    missing = [f"{fix.id} requires {needed}" for fix in series.fixes if fix.id in wanted
-               for needed in fix.requires if needed not in wanted]
-    if missing:
-        raise ActivationError(f"{ENV_FIXES}={raw!r}: {'; '.join(missing)}, which it does not "
-                              "name (add it)")
     return [fix_id for fix_id in known if fix_id in wanted]
+
+
+def require_requirements(series: Series, release: Version, ids: list[str],
+                         environ: Mapping[str, str]) -> None:
+    """A fix of ``ids`` chosen without one it requires on ``release`` is an
+    ActivationError, as `apply --fix` refuses it on a checkout."""
+    # F3's hooks build on F2's: a fix without one it requires would run half a fix.
+    missing = [f"{fix.id} requires {needed}" for fix in series.fixes if fix.id in ids
+               for needed in fix.requires_on(release) if needed not in ids]
+    if missing:
+        raise ActivationError(f"{ENV_FIXES}={environ.get(ENV_FIXES, '').strip()!r}: "
+                              f"{'; '.join(missing)}, which it does not name (add it)")
 
 
 def installed_vllm() -> tuple[str, str] | None:
@@ -311,6 +317,7 @@ def activate(environ: Mapping[str, str] | None = None, *, root: Path = _series.P
             basis = release_basis(text, series, ids, env_flag(environ, ENV_ALLOW_UNSUPPORTED),
                                   root=root, package=package)
             release = basis.release
+            require_requirements(series, release, ids, environ)
             states = install(series, release, ids, root=root, package=package)
         except PartlyInstalled:
             raise
