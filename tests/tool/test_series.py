@@ -153,17 +153,34 @@ VERSION_GRID = [Version(f"0.{minor}.{patch}") for minor in range(100) for patch 
 def test_required_fixes_come_first_and_are_there_wherever_the_fix_is(fix):
     """``requires``: the fixes this one is built on. They come earlier in the series (so
     there is no cycle, and patch k is generated on top of them), and wherever this fix
-    is needed each is needed too or already upstream. That every requirement is
-    declared is proven by exporting each fix alone (tests/tool/test_export.py)."""
+    is needed and requires one (from its ``requires_from`` on) that one is needed too or
+    already upstream. That every requirement is declared is proven by exporting each
+    fix alone (tests/tool/test_export.py)."""
     order = [f.id for f in FIXES]
     assert len(set(fix.requires)) == len(fix.requires)
     for required_id in fix.requires:
         required = SERIES.fix(required_id)
         assert order.index(required_id) < order.index(fix.id), f"{required_id} comes later"
         for version in VERSION_GRID:
-            if fix.on(version).needed:
+            if fix.on(version).needed and required_id in fix.requires_on(version):
                 assert required.on(version).need is not _series.Need.NOT_APPLICABLE, (
                     f"v{version} needs {fix.id} but not {required_id}: {required.on(version)}")
+
+
+def test_a_requirement_holds_from_its_requires_from_on():
+    """F20's patch meets F4's only where F4 hooks the same methods (v0.20.0 on)."""
+    f20 = SERIES.fix("F20")
+    assert [f.id for f in SERIES.with_requirements(f20, Version("0.18.1"))] == ["F20"]
+    assert [f.id for f in SERIES.with_requirements(f20, Version("0.19.1"))] == ["F20"]
+    assert [f.id for f in SERIES.with_requirements(f20, Version("0.20.0"))] == ["F4", "F20"]
+
+
+def test_requires_from_names_only_required_fixes(tmp_path):
+    path = tmp_path / "F20.toml"
+    path.write_text((_series.PACKAGE_DIR / "fixes" / "F20.toml").read_text().replace(
+        'requires_from = { F4 = "0.20.0" }', 'requires_from = { F3 = "0.20.0" }'))
+    with pytest.raises(ValueError, match="requires_from names F3, which requires does not"):
+        _series.Fix.load(path)
 
 
 def test_with_requirements_follows_requirements_of_requirements():
@@ -171,9 +188,11 @@ def test_with_requirements_follows_requirements_of_requirements():
     chained = _series.Series(
         fixes=(f1, replace(f2, requires=("F1",)), replace(f3, requires=("F2",)), f4),
         lanes=SERIES.lanes, covered=SERIES.covered)
-    assert [f.id for f in chained.with_requirements(chained.fix("F3"))] == ["F1", "F2", "F3"]
-    assert [f.id for f in SERIES.with_requirements(SERIES.fix("F3"))] == ["F2", "F3"]
-    assert [f.id for f in SERIES.with_requirements(SERIES.fix("F4"))] == ["F4"]
+    newest = SERIES.newest
+    assert [f.id for f in chained.with_requirements(chained.fix("F3"), newest)] == [
+        "F1", "F2", "F3"]
+    assert [f.id for f in SERIES.with_requirements(SERIES.fix("F3"), newest)] == ["F2", "F3"]
+    assert [f.id for f in SERIES.with_requirements(SERIES.fix("F4"), newest)] == ["F4"]
 
 
 @pytest.mark.parametrize("fix", FIXES, ids=lambda f: f.id)
