@@ -85,7 +85,7 @@ def ready(second: int, took: float) -> str:
 
 # symptom id -> (release, the log's lines after start-up). Each is what a stock engine of
 # that release logs for the bug; a fixed engine logs the same lines where the fix leaves
-# them (F7's notifications of a prompt it computed), and the finding must stay quiet.
+# them (notifications no READ is behind), and the finding must stay quiet.
 CASES = {
     "kv-served-after-lease": ("0.32.0", [expired(f"{i}_{P}") for i in range(3)]
                               + [invalid(f"{i}_{P}") for i in range(3)]),

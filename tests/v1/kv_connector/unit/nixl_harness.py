@@ -410,7 +410,8 @@ class PullDecoder:
     """What the decode workers do with each step's connector metadata: READs
     complete in the step after they start; an entry without blocks (a full local
     prefix hit) only notifies the producer. ``needing``: the children that have
-    neither read the prompt nor notified the producer yet."""
+    neither read the prompt nor notified the producer yet; ``notified``: those that
+    notified it."""
 
     def __init__(self, scheduler, children) -> None:
         self.scheduler = scheduler
@@ -418,12 +419,13 @@ class PullDecoder:
         self.needing = {child.request_id for child in children}
         self.loading: set[str] = set()
         self.read: set[str] = set()
+        self.notified: set[str] = set()
 
     def step(self) -> bool:
         """One scheduler step; returns whether its connector metadata renews the
         prompt's lease, as the workers get it (before the step's output)."""
         output = self.scheduler.schedule()
-        metadata = output.kv_connector_metadata
+        metadata = nixl_metadata(output)
         renewing = renewed(metadata)
         started = set()
         for req_id, meta in metadata.reqs_to_recv.items():
@@ -431,6 +433,7 @@ class PullDecoder:
                 started.add(req_id)
             else:
                 self.needing.discard(req_id)
+                self.notified.add(req_id)
         scheduled = [
             c for c in self.children if c.request_id in output.num_scheduled_tokens
         ]

@@ -20,7 +20,13 @@ import pytest
 
 from vllm.v1.request import RequestStatus
 
-from .nixl_harness import PROMPT_BLOCKS, Clock, PullDecoder, remote_children
+from .nixl_harness import (
+    PROMPT_BLOCKS,
+    REMOTE_REQUEST_ID,
+    Clock,
+    PullDecoder,
+    remote_children,
+)
 from .utils import create_request, create_scheduler, create_vllm_config
 
 pytestmark = pytest.mark.cpu_test
@@ -33,16 +39,34 @@ STEP = 4
 
 
 def remote_prompt(
-    n: int, *, blocker: bool = False, queued: float = 0.0, **extra_config
+    n: int,
+    *,
+    blocker: bool = False,
+    queued: float = 0.0,
+    max_tokens: int = 2,
+    through: str = "NixlConnector",
+    **extra_config,
 ) -> tuple:
     """A decoder with ``n`` requests of one remote prompt waiting (the children of
     a parallel-sampling request when ``n > 1``), and KV room for all of them. With
     ``blocker``, a local request takes the room first, so that the remote prompt
     waits for blocks until it finishes (after 6 steps). ``queued``: seconds the
-    requests arrived at the front end before the engine core took them."""
-    vllm_config = create_vllm_config(
-        kv_connector_extra_config={**LEASE, **extra_config}
-    )
+    requests arrived at the front end before the engine core took them; ``through``:
+    the NIXL connector itself or a MultiConnector with it as its only child."""
+    config = {**LEASE, **extra_config}
+    vllm_config = create_vllm_config(kv_connector_extra_config=config)
+    if through == "MultiConnector":
+        transfer = vllm_config.kv_transfer_config
+        transfer.kv_connector = "MultiConnector"
+        transfer.kv_connector_extra_config = {
+            "connectors": [
+                {
+                    "kv_connector": "NixlConnector",
+                    "kv_role": transfer.kv_role,
+                    "kv_connector_extra_config": config,
+                }
+            ]
+        }
     block_size = vllm_config.cache_config.block_size
     scheduler = create_scheduler(vllm_config, num_blocks=1 + n * PROMPT_BLOCKS)
     num_tokens = int(block_size * (PROMPT_BLOCKS - 0.5))
@@ -53,7 +77,7 @@ def remote_prompt(
         )
         scheduler.add_request(local)
         requests.append(local)
-    children = remote_children(n, block_size, num_tokens, max_tokens=2)
+    children = remote_children(n, block_size, num_tokens, max_tokens=max_tokens)
     for child in children:
         child.arrival_time -= queued
         scheduler.add_request(child)
@@ -72,15 +96,13 @@ def wait_out_blocker(decoder: PullDecoder, clock: Clock, blocker) -> None:
 
 def read_or_computed(decoder: PullDecoder, request) -> str:
     """Step until the decoder decided for ``request``: "read" (a READ of the
-    producer's blocks started) or "computed" (the producer is only notified, as
-    for a full local prefix hit, and the scheduler computes the prompt)."""
+    producer's blocks started) or "computed" (the scheduler computed the prompt)."""
     for _ in range(4):
         decoder.step()
         if request.request_id in decoder.loading | decoder.read:
             assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             return "read"
-        if request.request_id not in decoder.needing:
-            assert request.num_computed_tokens >= request.num_prompt_tokens
+        if request.num_computed_tokens >= request.num_prompt_tokens:
             return "computed"
     raise AssertionError(f"{request.request_id} neither read nor computed")
 
@@ -146,16 +168,85 @@ def test_switched_off_reads_as_upstream(monkeypatch):
 
 def test_children_read_nothing_after_the_lease_lapsed(monkeypatch):
     """The children of a parallel-sampling prompt whose lease may have lapsed:
-    none READs it, each computes it or takes it from the local prefix cache, and
-    the producer is notified for each."""
+    none READs it, each computes it or takes it from the local prefix cache."""
     clock = Clock(monkeypatch)
     scheduler, children = remote_prompt(4)
     decoder = PullDecoder(scheduler, children)
     clock.advance(VOUCHED + 1)
     for _ in range(8):
-        if not decoder.needing:
-            break
         decoder.step()
         assert not decoder.loading, "a child READs a prompt whose lease lapsed"
-    assert not decoder.needing, "a child neither read the prompt nor notified"
+        if all(c.num_computed_tokens >= c.num_prompt_tokens for c in children):
+            break
+    else:
+        raise AssertionError("a child of the prompt was never computed")
     assert not decoder.read
+
+
+@pytest.mark.parametrize("through", ["NixlConnector", "MultiConnector"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_lapsed_prompt_is_neither_notified_nor_heartbeated(monkeypatch, n, through):
+    """Once the decoder computes a prompt whose lease (PR 41383) may have lapsed, it
+    sends the producer no notification for it (no READ happened: a producer that
+    released the prompt by lease logs "Potentially invalid KV blocks") and no
+    heartbeat after the step that scheduled it; every request finishes. (A real
+    pair through a MultiConnector, decoder stalled 22 s with a lease of 20 s.)"""
+    clock = Clock(monkeypatch)
+    scheduler, children = remote_prompt(n, max_tokens=6, through=through)
+    decoder = PullDecoder(scheduler, children)
+    clock.advance(VOUCHED + 1)
+    scheduled_all = False
+    for _ in range(8 + 3 * n):
+        # Busy steps: a heartbeat is due every other one.
+        clock.advance(STEP)
+        renewing = decoder.step()
+        assert not decoder.loading, "a READ of a prompt whose lease lapsed"
+        assert not decoder.notified, (
+            f"the producer notified for {sorted(decoder.notified)}, whose prompt the "
+            "decoder computed after its lease may have lapsed"
+        )
+        assert not (scheduled_all and renewing), (
+            f"a heartbeat renews {REMOTE_REQUEST_ID} after every request of it was "
+            "scheduled to compute it"
+        )
+        scheduled_all = all(c.num_computed_tokens > 0 for c in children)
+        if all(c.status == RequestStatus.FINISHED_LENGTH_CAPPED for c in children):
+            break
+    else:
+        raise AssertionError("a request of the prompt did not finish")
+
+
+@pytest.mark.parametrize("through", ["NixlConnector", "MultiConnector"])
+def test_a_late_child_of_a_lapsed_prompt_notifies_nothing(monkeypatch, through):
+    """Two children of a prompt queued past the bound (a stalled engine core; PR
+    41383's lease may have lapsed) reach the scheduler apart: the first computes the
+    prompt and finishes, the second then takes it from the prefix cache. Neither READs
+    nor notifies the producer. (A real pair through a MultiConnector, decoder stalled
+    22 s with a lease of 20 s: the second child's notification was logged as
+    "Potentially invalid KV blocks".)"""
+    clock = Clock(monkeypatch)
+    scheduler, (first,) = remote_prompt(1, queued=VOUCHED + 1, through=through)
+    decoder = PullDecoder(scheduler, [first])
+    for _ in range(4):
+        clock.advance(1)
+        decoder.step()
+    assert first.status == RequestStatus.FINISHED_LENGTH_CAPPED, first.status
+    (second,) = remote_children(
+        1,
+        scheduler.cache_config.block_size,
+        first.num_prompt_tokens,
+        first_id=2,
+        max_tokens=2,
+    )
+    second.arrival_time -= VOUCHED + 1
+    scheduler.add_request(second)
+    decoder.children.append(second)
+    for _ in range(4):
+        clock.advance(1)
+        decoder.step()
+    assert second.status == RequestStatus.FINISHED_LENGTH_CAPPED, second.status
+    assert not decoder.read, f"READs of a prompt whose lease lapsed: {decoder.read}"
+    assert not decoder.notified, (
+        f"the producer notified for {sorted(decoder.notified)}, whose prompt the "
+        "decoder computed after its lease may have lapsed"
+    )

@@ -94,6 +94,12 @@ class NixlBaseConnectorScheduler:
         never renewed)."""
         return {}
 
+    def _lease_may_have_lapsed(self, key: tuple[EngineId, ReqId]) -> bool:
+        """Whether the decoder can no longer vouch for the lease of prompt ``key``: its
+        bound passed (for every request of it, whenever that request arrived)."""
+        until = self._lease_vouched_until.get(key)
+        return until is not None and time.perf_counter() > until
+
     @call_at_end_of("on_new_request")
     def _start_lease_vouch(self, request: "Request") -> None:
         """A prompt the decoder starts tracking: the producer holds it for a full

@@ -3,14 +3,15 @@
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``.
 
 F7 (KV leases, from v0.22): a READ only while the decoder can vouch for the remote
-prompt's lease (the bound kept in ``nixl/base_scheduler.py``); past it, 0 tokens.
+prompt's lease (the bound kept in ``nixl/base_scheduler.py``); past it, 0 tokens,
+and neither a notification nor heartbeats for the request.
 """
 
 import math
 import time
 from typing import TYPE_CHECKING
 
-from vllm_patches._overlay import amend, filter_result_of
+from vllm_patches._overlay import amend, call_at_end_of, filter_result_of
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -27,7 +28,8 @@ class NixlPullConnectorScheduler:
     ) -> tuple[int, bool]:
         """The answer for ``request``, or 0 external tokens for a READ of a prompt whose
         lease the decoder can no longer vouch for: the prompt is computed locally and
-        the producer freed as for a full local prefix hit. One WARNING per prompt."""
+        the request sends the producer nothing more (_notify_nothing_after_lapse).
+        One WARNING per prompt."""
         num_tokens, load_async = answer
         params = request.kv_transfer_params
         if not load_async or not num_tokens or not params:
@@ -38,12 +40,9 @@ class NixlPullConnectorScheduler:
             str(params.get("remote_engine_id")),
             str(params.get("remote_request_id")),
         )
-        until = self._lease_vouched_until.get(key)
-        if until is None:
+        if not self._lease_may_have_lapsed(key):
             return answer
-        now = time.perf_counter()
-        if now <= until:
-            return answer
+        until = self._lease_vouched_until[key]
         if until > -math.inf:
             logger.warning(
                 "Not reading the KV of remote request %s for request %s: no "
@@ -52,7 +51,23 @@ class NixlPullConnectorScheduler:
                 "released its blocks. Computing the prompt locally.",
                 key[1],
                 request.request_id,
-                now - until,
+                time.perf_counter() - until,
             )
             self._lease_vouched_until[key] = -math.inf
         return 0, False
+
+    @call_at_end_of("update_state_after_alloc")
+    def _notify_nothing_after_lapse(
+        self, request: "Request", num_external_tokens: int
+    ) -> None:
+        """A request that computes a prompt whose lease may have lapsed (also one that
+        takes it from the prefix cache after a sibling computed it) sends the producer
+        no notification, which would name blocks the producer may have freed, and no
+        more heartbeats: the producer's lease frees the prompt."""
+        if num_external_tokens:
+            return
+        key = self._heartbeat_req_engine.get(request.request_id)
+        if key is None or not self._lease_may_have_lapsed(key):
+            return
+        self._reqs_need_recv.pop(request.request_id, None)
+        self._stop_heartbeat(request.request_id)
