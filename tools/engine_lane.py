@@ -84,6 +84,14 @@ ENGINE_SETTINGS = {
     # tests/e2e/test_f2_f3_nixl_pair.py` runs it here again. Cut for CI's budget.
     Version("0.18.0"): EngineSettings(tests=(
         "tests/e2e/test_f1_cross_group.py", "tests/e2e/test_f3_early_notification.py")),
+    # The last release of the old lease reaper (base_worker.py stops at the first live
+    # lease; F17) and the only one whose push producer never reports a WRITE done (F18):
+    # both bugs in a pull and a push pair, stock against fixed. Its other fixes are those
+    # of the newest layout, proven on v0.32.0 (below).
+    Version("0.30.0"): EngineSettings(block_size=32, excluded=("torchcodec",),
+                                      tests=("tests/e2e/test_lease_reaper_pair.py",
+                                             "tests/e2e/test_push_done_pair.py"),
+                                      quiet_roles=("API server",)),
     # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
     # pair, plainly and through MultiConnector, the load scenario and the fault matrix
     # (leases), and the push pair (NixlPushConnector, v0.24+); its engines' processes
@@ -91,7 +99,7 @@ ENGINE_SETTINGS = {
     # layout assumes 16-token blocks); F3's worker-level race is proven by the v0.21.0
     # lane and the fix tests. The pair with a TP-2 decoder runs here only: vLLM's CPU
     # workers take tensor parallelism, and this layout is the one users deploy.
-    Version("0.30.0"): EngineSettings(block_size=32, excluded=("torchcodec",),
+    Version("0.31.0"): EngineSettings(block_size=32, excluded=("torchcodec",),
                                       tests=("tests/e2e/test_f2_f3_nixl_pair.py",
                                              "tests/e2e/test_f2_load.py",
                                              "tests/e2e/test_pd_faults.py",
@@ -102,7 +110,7 @@ ENGINE_SETTINGS = {
                                       quiet_roles=("API server",)),
 }
 # Releases with a real-engine lane, and why no other: docs/real-engine-lane.md ("Which releases").
-ENGINE_RELEASES = [Version("0.21.0"), Version("0.32.0")]
+ENGINE_RELEASES = [Version("0.21.0"), Version("0.30.0"), Version("0.32.0")]
 # Next to the fetched release sources ($VLLM_PATCHES_CACHE, default ~/.cache/vllm-patches).
 WHEELHOUSE = _releases.cache_root() / "wheels"
 # The NIXL library with its CUDA-12 and CUDA-13 builds; the meta package ``nixl`` picks

@@ -252,6 +252,13 @@ def held_blocks_timeline(producer_events: list[dict[str, Any]], since: float
             if e["event"] == "step" and e["t"] >= since]
 
 
+def released_at(producer_events: list[dict[str, Any]], rid: str) -> float | None:
+    """When the producer first reported a request named by ``rid`` done sending (its
+    blocks freed), if it did."""
+    return next((e["t"] for e in producer_events if e["event"] == "finished_sending"
+                 and any(rid in r for r in e["reqs"])), None)
+
+
 def held_after_pull(producer_events: list[dict[str, Any]], remote_id: str) -> float | None:
     """Seconds from the producer reading the first pull notification for the advertised
     sibling ``remote_id`` to its freeing the last sibling of that prompt (None if a

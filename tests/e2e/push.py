@@ -48,7 +48,7 @@ from typing import Any
 
 from e2e_probe import SLOW_WRITE_ENV
 from faults import call, tokens_of
-from scenarios import Breakdown, Server, log_lines, metric, nixl_server, poke, probe_lines
+from scenarios import Breakdown, Server, log_lines, metric, nixl_server, poke, probe_lines, settle
 
 # A short lease, so that the lease cases fit in a short run (upstream: 30 s). Heartbeats
 # every lease // 6 s.
@@ -380,9 +380,7 @@ def run(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
             decoder_before = sample(pair.decoder, DECODER_METRICS)
             record["cases"][case] = {"decoder_before": decoder_before, **CASES[case](pair),
                                      "t_end": time.monotonic()}
-        time.sleep(LEASE_S + 1)
-        poke(pair.producer)
-        poke(pair.producer)
+        settle(pair.producer, [pair.producer, pair.decoder], LEASE_S + 1)
         record["final_producer"] = sample(pair.producer, PRODUCER_METRICS)
         record["final_decoder"] = sample(pair.decoder, DECODER_METRICS)
     finally:

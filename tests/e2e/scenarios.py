@@ -351,6 +351,20 @@ def poke(server: Server, max_tokens: int = 1) -> None:
     completion(server, [1, 2, 3], max_tokens=max_tokens)
 
 
+def settle(producer: Server | None, servers: list[Server], limit_s: float) -> None:
+    """Poke ``producer`` (when it runs) until none of ``servers`` holds KV, ``limit_s`` at
+    most, then once more: what a server still holds then, a lease that ends within
+    ``limit_s`` did not free (and nothing is left for a later lease to free otherwise)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(
+            metric(server.metrics(), "vllm:kv_cache_usage_perc") for server in servers):
+        if producer is not None:
+            poke(producer)
+        time.sleep(POKE_GAP_S)
+    if producer is not None:
+        poke(producer)
+
+
 def drain(producer: Server, probe: Path, sent: int) -> int:
     """Poke the producer until it has read ``sent`` notifications in all (at most
     ``POKES`` pokes), then once more: that step shows the state after the step that
@@ -789,6 +803,13 @@ def nixl_push(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     return push.run(run_dir, args)
 
 
+def lease_reaper(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """Expired leases behind one that heartbeats renew (``reaper.py``)."""
+    import reaper
+
+    return reaper.run(run_dir, args)
+
+
 def generated(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
     """One seeded pair, its shape drawn by ``generated.draw`` (``args``)."""
     import generated as drawn
@@ -798,7 +819,8 @@ def generated(run_dir: Path, args: dict[str, Any]) -> dict[str, Any]:
 
 SCENARIOS = {"f1_cross_group": f1_cross_group, "nixl_pair": nixl_pair,
              "f3_early_notification": f3_early_notification, "nixl_load": nixl_load,
-             "nixl_faults": nixl_faults, "nixl_push": nixl_push, "generated": generated}
+             "nixl_faults": nixl_faults, "nixl_push": nixl_push, "generated": generated,
+             "lease_reaper": lease_reaper}
 
 
 def main() -> int:

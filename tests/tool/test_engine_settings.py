@@ -15,7 +15,8 @@ import engine_lane
 def test_each_release_takes_the_newest_entry_not_after_it() -> None:
     settings = engine_lane.ENGINE_SETTINGS
     assert engine_lane.engine_settings(Version("0.21.0")) is settings[Version("0.18.0")]
-    assert engine_lane.engine_settings(Version("0.32.0")) is settings[Version("0.30.0")]
+    assert engine_lane.engine_settings(Version("0.30.0")) is settings[Version("0.30.0")]
+    assert engine_lane.engine_settings(Version("0.32.0")) is settings[Version("0.31.0")]
     assert engine_lane.engine_settings(Version("0.32.0")).block_size == 32
 
 

@@ -1,0 +1,56 @@
+"""A completed push reported done at once, in a real NIXL push pair (vllm PR 58188;
+F18 on v0.30.0), stock and fixed: ``push.py``'s warm-up and ``writes`` cases.
+
+v0.30.0's push producer reports a finished WRITE done only for requests it receives
+into, which it never does for what it pushes: stock holds every pushed prompt until its
+lease ("retrieved by 0 remote worker(s)"); fixed releases it once its WRITE completed.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+from analysis import released_at
+from harness import bug_expected, probe_events, run_scenario
+
+pytestmark = pytest.mark.engine
+
+MODES = pytest.mark.parametrize("mode", ["stock", "fixed"])
+
+
+@functools.cache
+def pair(mode: str) -> dict[str, Any]:
+    return run_scenario("nixl_push", mode, {"cases": ["writes"]}, label="push-done")
+
+
+def releases(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per pushed prompt: its WRITEs, whether the producer released it, its expiry lines."""
+    events = probe_events(Path(run["run_dir"]), "producer.probe.jsonl")
+    expired = run["producer_lines"]["Releasing expired KV blocks"]
+    return [{"rid": flow["rid"], "writes": len(flow["writes"]),
+             "released": released_at(events, flow["rid"]) is not None,
+             "expired_lines": [line for line in expired if flow["rid"] in line]}
+            for flow in [run["warmup"], *run["cases"]["writes"]["prompts"]]]
+
+
+@MODES
+def test_a_pushed_prompt_is_released_when_its_write_completed(mode: str) -> None:
+    """Stock: every pushed prompt written, then released by its lease; fixed: released,
+    never by the lease (a prompt still held when its lease ran out would be)."""
+    prompts = releases(pair(mode))
+    assert all(p["writes"] and p["released"] for p in prompts), prompts
+    if bug_expected("F18", mode):
+        assert all(p["expired_lines"] for p in prompts), prompts
+    else:
+        assert not any(p["expired_lines"] for p in prompts), prompts
+
+
+@MODES
+def test_every_push_is_answered_and_the_producer_ends_empty(mode: str) -> None:
+    run = pair(mode)
+    for flow in [run["warmup"], *run["cases"]["writes"]["prompts"]]:
+        assert flow["prefill"]["status"] == flow["decode"]["status"] == 200, flow
+    assert run["final_producer"]["kv_cache_usage_perc"] == 0.0, run["final_producer"]
