@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,13 @@ from scenarios import (
     nixl_server,
     poke,
     prefill,
+    settle,
 )
 
 DECODER_SEQS = (2, 4, 8)
 LEASES = (12, 20, 30)
 FAULTS = ("none", "abort", "stall")
+KILLED_ROLES = ("decoder", "producer")
 # A client call with no answer after this long is hung (a drawn run's longest call, n = 8
 # children in waves of 2 with 96 tokens each, takes well under a minute here).
 CLIENT_LIMIT_S = 150
@@ -45,6 +47,9 @@ PRODUCER_STEP_S = 0.5
 # out was late by the client's doing (the decoder's first heartbeat for it comes with a
 # step, up to a heartbeat interval, lease / 6, later): its prompt may expire.
 LATE_MARGIN_S = 2.0
+# The busy request's tokens per seat: what the decoder's max_model_len (512) leaves
+# after its 8-token prompt.
+BUSY_TOKENS = 500
 EXPIRED = "Releasing expired KV blocks"
 INVALID = "Potentially invalid KV blocks"
 
@@ -83,6 +88,18 @@ def draw(seed: int) -> dict[str, Any]:
         params["fault"]["after_s"] = round(rng.uniform(0.3, 4.0), 1)
     if fault == "stall":
         params["fault"]["stall_s"] = params["lease"] + 2
+    # A third of the draws with no other fault kill an engine (SIGKILL, as a crash or an
+    # OOM kill) that long after the prompt's decode leg started. Drawn last, so that the
+    # seeds drawn before kills were added keep every other dimension.
+    if fault == "none" and rng.random() < 1 / 3:
+        params["fault"] = {"kind": "kill", "prompt": rng.randrange(len(prompts)),
+                           "role": rng.choice(KILLED_ROLES),
+                           "after_s": round(rng.uniform(0.3, 4.0), 1)}
+    # A third of the draws start with every decoder seat busy until past the lease (a
+    # local request whose client leaves then): the drawn children wait for seats while
+    # their prompts' leases run, whatever the machine's speed. Drawn last, as the kill.
+    params["busy_s"] = (params["lease"] + round(rng.uniform(2, 8), 1)
+                        if rng.random() < 1 / 3 else None)
     return params
 
 
@@ -110,13 +127,35 @@ class DrawnPair:
                                    **decoder_tp_args(params["decoder_tp"]))
         self.ready = {"producer_s": round(self.producer.wait_ready(), 1),
                       "decoder_s": round(self.decoder.wait_ready(), 1)}
+        # The drawn kill, once done: the role killed and when.
+        self.killed: dict[str, Any] = {}
+
+    def alive(self) -> dict[str, Any]:
+        """The engines still running, by role."""
+        return {role: server for role, server in (("producer", self.producer),
+                                                   ("decoder", self.decoder))
+                if role != self.killed.get("role")}
+
+    def kill_later(self, params: dict[str, Any], index: int) -> threading.Timer | None:
+        """Start the drawn kill's timer when prompt ``index`` is the one it names."""
+        fault = params["fault"]
+        if fault["kind"] != "kill" or fault["prompt"] != index:
+            return None
+        timer = threading.Timer(fault["after_s"], self._kill, (fault["role"],))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _kill(self, role: str) -> None:
+        self.killed.update(role=role, t=time.monotonic())
+        (self.producer if role == "producer" else self.decoder).kill()
 
 
 def _fault_kw(params: dict[str, Any], index: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(more ``kv_transfer_params`` of prompt ``index``'s decode leg, more ``call``
     arguments of it) for the drawn fault."""
     fault = params["fault"]
-    if fault.get("prompt") != index:
+    if fault.get("prompt") != index or fault["kind"] == "kill":
         return {}, {}
     if fault["kind"] == "stall":
         return {STALL_KEY: fault["stall_s"]}, {}
@@ -132,6 +171,7 @@ def _pull_prompt(pair: DrawnPair, params: dict[str, Any], index: int, prompt: li
     payload = decode_payload(flow, spec["tokens"])
     payload["kv_transfer_params"] = {**flow["params"], **extra_params}
     started = time.monotonic()
+    pair.kill_later(params, index)
     outcome = call(pair.decoder, payload, limit_s=CLIENT_LIMIT_S, **extra_kw)
     return {**flow_record(flow), "index": index, "key": parent_of(flow["remote_request_id"])
             or flow["remote_request_id"], "t_decode_start": started, "decode": outcome,
@@ -143,6 +183,7 @@ def _push_prompt(pair: DrawnPair, params: dict[str, Any], index: int,
     spec = params["prompts"][index]
     rid = f"gen-{params['seed']}-{index}"
     extra_params, extra_kw = _fault_kw(params, index)
+    pair.kill_later(params, index)
     both = legs(pair, rid, prompt, spec["n"], spec["n"], spec["tokens"],
                 decode_params=extra_params, limit_s=CLIENT_LIMIT_S, **extra_kw)
     # Both legs start together: the decode leg is never late.
@@ -186,10 +227,32 @@ def _traffic(pair: DrawnPair, params: dict[str, Any],
         return sorted((f.result() for f in futures), key=lambda flow: flow["index"])
 
 
-def _keep_stepping(producer: Any, running: threading.Event, errors: list[str]) -> None:
+def _hold_seats(pair: DrawnPair, params: dict[str, Any]) -> Future[dict[str, Any]] | None:
+    """The drawn busy request: a child on every decoder seat, its client leaving
+    ``busy_s`` after it started (sooner only if the machine decodes its tokens first)."""
+    if not params["busy_s"]:
+        return None
+    leave = threading.Event()
+    timer = threading.Timer(params["busy_s"], leave.set)
+    timer.daemon = True
+    timer.start()
+    pool = ThreadPoolExecutor(1)
+    busy = pool.submit(call, pair.decoder, {"prompt": tokens_of(0, 8, 7000),
+                                            "n": params["decoder_seqs"],
+                                            "max_tokens": BUSY_TOKENS},
+                       limit_s=CLIENT_LIMIT_S, give_up=leave)
+    pool.shutdown(wait=False)
+    # The seats are taken before the drawn traffic comes.
+    time.sleep(1.0)
+    return busy
+
+
+def _keep_stepping(pair: DrawnPair, running: threading.Event, errors: list[str]) -> None:
     while running.is_set():
+        if "producer" not in pair.alive():
+            return
         try:
-            poke(producer)
+            poke(pair.producer)
         except (Breakdown, RuntimeError) as error:  # recorded: ``violations`` reports it
             errors.append(f"{type(error).__name__}: {error}"[:200])
         time.sleep(PRODUCER_STEP_S)
@@ -197,8 +260,8 @@ def _keep_stepping(producer: Any, running: threading.Event, errors: list[str]) -
 
 def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
     """The drawn pair: a warm-up prompt (n = 1, the NIXL handshakes), the drawn traffic
-    while the producer keeps stepping, then one lease after the last call ended the
-    producer stepped twice and both engines' KV usage read."""
+    while the producer keeps stepping, then the KV usage of the engines left running,
+    once none holds KV or a lease after the last call ended (``scenarios.settle``)."""
     pair = DrawnPair(run_dir, params)
     prompts = [tokens_of(spec["full_blocks"], spec["tail"], 2_000 + 4_000 * i)
                for i, spec in enumerate(params["prompts"])]
@@ -215,22 +278,25 @@ def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
         running, errors = threading.Event(), []
         running.set()
         stepper = threading.Thread(target=_keep_stepping,
-                                   args=(pair.producer, running, errors), daemon=True)
+                                   args=(pair, running, errors), daemon=True)
         record["t_traffic"] = time.monotonic()
         stepper.start()
         try:
+            busy = _hold_seats(pair, params)
             record["flows"] = _traffic(pair, params, prompts)
+            record["busy"] = busy and busy.result()
         finally:
             running.clear()
             stepper.join()
         record["step_errors"] = errors
         record["t_last_call"] = max(flow["t_end"] for flow in record["flows"])
-        time.sleep(max(0.0, record["t_last_call"] + params["lease"] + 1 - time.monotonic()))
-        poke(pair.producer)
-        poke(pair.producer)
+        alive = pair.alive()
+        settle(alive.get("producer"), list(alive.values()),
+               record["t_last_call"] + params["lease"] + 1 - time.monotonic())
         record["t_final"] = time.monotonic()
-        record["final"] = {"producer": sample(pair.producer, DECODER_METRICS),
-                           "decoder": sample(pair.decoder, DECODER_METRICS)}
+        record["killed"] = pair.killed
+        record["final"] = {role: sample(server, DECODER_METRICS)
+                           for role, server in alive.items()}
     finally:
         for server in (pair.producer, pair.decoder):
             server.stop()
@@ -245,8 +311,9 @@ def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
 
 def violations(record: dict[str, Any]) -> list[str]:
     """What the run in ``record`` broke of: no invalid-KV line; no prompt released by lease
-    unless its decode leg came late or a stall froze the decoder (then no READ of it after
-    the stall: F7); KV usage 0 a lease after; no call hung; each child holds the prompt KV."""
+    unless its decode leg came late, a stall froze the decoder (then no READ of it after
+    the stall: F7) or its calls ended with a kill; KV usage 0 a lease after on every engine
+    left running; no call hung; each child holds the prompt KV."""
     params, found = record["params"], []
     run_dir = Path(record["run_dir"])
     producer_events = probe_events(run_dir, "producer.probe.jsonl")
@@ -265,7 +332,7 @@ def violations(record: dict[str, Any]) -> list[str]:
         late = flow["t_decode_start"] > flow["t_prefilled"] + params["lease"] - LATE_MARGIN_S
         frozen = [end for start, end in stalls
                   if start <= flow["t_end"] and end >= flow["t_prefilled"]]
-        if late:
+        if late or flow["t_end"] >= record.get("killed", {}).get("t", float("inf")):
             continue
         if not frozen:
             found.append(f"prompt {flow['index']} ({key}) released by lease: {lines[0][-160:]}")
@@ -299,7 +366,7 @@ def _kv_problems(record: dict[str, Any], producer_events: list[dict[str, Any]],
                  decoder_events: list[dict[str, Any]]) -> list[str]:
     """``analysis.prompt_kv_problems`` for every prompt whose decode leg was served whole
     (its n choices) with KV the producer sent: not a stalled prompt the decoder computed
-    itself (no READ or WRITE of it)."""
+    itself (no READ or WRITE of it), nor one whose call ended with a kill."""
     params = record["params"]
     advertised = {}
     for event in producer_events:
@@ -311,6 +378,8 @@ def _kv_problems(record: dict[str, Any], producer_events: list[dict[str, Any]],
         if decode.get("status") != 200 or decode.get("choices") != flow["n"]:
             continue
         if params["fault"]["kind"] == "stall" and params["fault"]["prompt"] == flow["index"]:
+            continue
+        if flow["t_end"] >= record.get("killed", {}).get("t", float("inf")):
             continue
         digest = record["prompt_digests"][flow["index"]]
         remote = flow.get("remote_request_id") or advertised.get(digest, f"(none: {digest})")

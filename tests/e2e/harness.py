@@ -91,6 +91,7 @@ def activation_line(mode: str, environ: dict[str, str]) -> str:
     series = _series.load()
     version = Version(release())
     ids = _runtime.selected_ids(series, environ)
+    _runtime.require_requirements(series, version, ids, environ)
     return _runtime.Activation(version, _runtime.fix_states(series, version, ids)).line()
 
 
