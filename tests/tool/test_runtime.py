@@ -399,6 +399,38 @@ def test_call_rewrites_of_one_method_are_all_installed(fake):
     assert fake.get("core.worker").Worker().notifs(extra=["x"]) == {"a", "x", "z", "r"}
 
 
+SUBCLASSED = POLLING + '''
+
+class PushWorker(Worker):
+    def notifs(self, extra=()):
+        found = super().notifs(extra)
+        return found | {m + "!" for m in self.agent.poll()["decode"]}
+'''
+
+
+def test_a_call_filter_recompiles_a_method_that_calls_super(fake):
+    """Zero-argument super() reads the method's __class__ cell: the recompiled method
+    gets the original's (push_worker.py's get_finished)."""
+    fake.module("core.worker", SUBCLASSED)
+    fake.overlay("core/worker.py", '''\
+from vllm_patches._overlay import amend, filter_call_in
+
+
+@amend("F1", ">=0.18")
+class PushWorker:
+    @filter_call_in("notifs", "self.agent.poll")
+    def _drop_b(self, notifs):
+        return {agent: [m for m in messages if m != "b"] for agent, messages in notifs.items()}
+''')
+    fake.install([make_fix("F1", ["core/worker.py"])])
+    module = fake.get("core.worker")
+    assert module.PushWorker().notifs(extra=["x"]) == {"a", "b", "x", "a!"}, \
+        "super()'s call unfiltered, the subclass's own filtered"
+    assert module.Worker().notifs() == {"a", "b"}
+    code = inspect.unwrap(module.PushWorker.notifs).__code__
+    assert "_drop_b" in code.co_names and code.co_filename == module.__file__
+
+
 GUARDED = '''\
 class Worker:
     def __init__(self):

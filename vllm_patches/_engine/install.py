@@ -573,6 +573,10 @@ def _amend_class(cls: type, partial: type, definition: _Definition,
     return installed
 
 
+# The class a method using zero-argument super() is recompiled in (_filter_calls_in).
+_HOLDER = "_RecompiledIn"
+
+
 def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str, CallRewrite, list[str]]],
                      fix: str) -> types.FunctionType:
     """Upstream ``cls.<target>`` recompiled from its source with the splice's rewrite of
@@ -586,7 +590,9 @@ def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str, CallR
 
     where = f"{fix}: {cls.__module__}.{cls.__qualname__}.{target}".lstrip(": ")
     original = cls.__dict__[target]
-    if not isinstance(original, types.FunctionType) or original.__code__.co_freevars:
+    # A method's one possible free variable is __class__, zero-argument super()'s.
+    if not isinstance(original, types.FunctionType) or \
+            original.__code__.co_freevars not in ((), ("__class__",)):
         raise ActivationError(f"{where}: not a plain function, cannot filter its calls")
     try:
         lines, first = inspect.getsourcelines(original)
@@ -600,15 +606,37 @@ def _filter_calls_in(cls: type, target: str, filters: list[tuple[str, str, CallR
         raise ActivationError(str(exc)) from exc
     tree = ast.parse(cst.Module(body=[rewritten]).code)
     ast.increment_lineno(tree, first - 1)
+    if original.__code__.co_freevars:
+        # Compiled in a class body, the function gets its __class__ cell: the
+        # original's closure fills it below.
+        holder = ast.parse(f"class {_HOLDER}:\n    pass")
+        holder.body[0].body = tree.body  # type: ignore[attr-defined]
+        tree = holder
     namespace = sys.modules[cls.__module__].__dict__
     flags = __future__.annotations.compiler_flag \
         if namespace.get("annotations") is __future__.annotations else 0
     defined: dict[str, Any] = {}
     exec(compile(tree, original.__code__.co_filename, "exec", flags=flags,  # noqa: S102
                  dont_inherit=True), namespace, defined)
-    new = defined[target]
+    scope = defined[_HOLDER].__dict__ if original.__code__.co_freevars else defined
+    new = scope[target]
+    if original.__closure__:
+        assert new.__code__.co_freevars == original.__code__.co_freevars, where
+        new = _with_closure(new, original.__closure__)
     new.__qualname__ = original.__qualname__
     return new
+
+
+def _with_closure(function: types.FunctionType,
+                  closure: tuple[types.CellType, ...]) -> types.FunctionType:
+    """``function`` with the cells of ``closure`` for its free variables."""
+    made = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                              function.__defaults__, closure)
+    made.__kwdefaults__ = function.__kwdefaults__
+    made.__annotations__ = function.__annotations__
+    made.__doc__ = function.__doc__
+    made.__module__ = function.__module__
+    return made
 
 
 def _hook_into(cls: type, name: str, member: _Member, call_filters: CallFilters) -> None:
