@@ -250,3 +250,46 @@ def test_a_late_child_of_a_lapsed_prompt_notifies_nothing(monkeypatch, through):
         f"the producer notified for {sorted(decoder.notified)}, whose prompt the "
         "decoder computed after its lease may have lapsed"
     )
+
+
+@pytest.mark.parametrize("through", ["NixlConnector", "MultiConnector"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_request_that_leaves_unscheduled_after_the_lapse_notifies_nothing(
+    monkeypatch, n, through
+):
+    """The decoder stalls past the bound with the children of a prompt queued (PR
+    41383's lease may have lapsed), and their client leaves before any was
+    scheduled: the decoder sends the producer nothing for them. Upstream notifies
+    for each, as for any request that ends unscheduled, and a producer that released
+    the prompt by lease logs "Potentially invalid KV blocks"."""
+    clock = Clock(monkeypatch)
+    scheduler, children = remote_prompt(n, through=through)
+    decoder = PullDecoder(scheduler, children)
+    clock.advance(VOUCHED + 1)
+    leave(scheduler, children)
+    for _ in range(3):
+        clock.advance(1)
+        decoder.step()
+    assert not decoder.notified, (
+        f"the producer notified for {sorted(decoder.notified)}, whose prompt's lease "
+        "may have lapsed before they left unscheduled"
+    )
+
+
+def test_a_request_that_leaves_unscheduled_in_time_notifies_the_producer(monkeypatch):
+    """Within the bound, a request that leaves unscheduled notifies the producer,
+    as upstream does, so that it frees the prompt at once."""
+    clock = Clock(monkeypatch)
+    scheduler, children = remote_prompt(1)
+    decoder = PullDecoder(scheduler, children)
+    clock.advance(VOUCHED - 1)
+    leave(scheduler, children)
+    decoder.step()
+    assert decoder.notified == {children[0].request_id}
+
+
+def leave(scheduler, requests) -> None:
+    """Their client left: the requests end aborted."""
+    scheduler.finish_requests(
+        [r.request_id for r in requests], RequestStatus.FINISHED_ABORTED
+    )

@@ -116,13 +116,25 @@ class NixlBaseConnectorScheduler:
             queued = max(0.0, time.time() - request.arrival_time)
             self._lease_vouched_until[key] = time.perf_counter() - queued + window
 
+    @cached_property
+    def _left_after_lapse(self) -> set[ReqId]:
+        """Requests that finished after their prompt's lease may have lapsed, until
+        the next metadata is built (pull_scheduler.py notes them)."""
+        return set()
+
     @filter_result_of("build_connector_meta")
-    def _renew_lease_vouches(
-        self, meta: NixlConnectorMetadata
-    ) -> NixlConnectorMetadata:
-        """The step's metadata, after moving on the bound of every prompt whose
-        heartbeat it carries and whose bound has not passed. Once per heartbeat
-        interval, one entry per prompt in the heartbeat."""
+    def _apply_lease_bounds(self, meta: NixlConnectorMetadata) -> NixlConnectorMetadata:
+        """The step's metadata, less the empty receive of each request that left
+        unscheduled once its prompt's lease may have lapsed (its notification would
+        name blocks the producer may have freed: "Potentially invalid KV blocks"),
+        and after moving on the bound of every prompt whose heartbeat it carries and
+        whose bound has not passed (once per heartbeat interval)."""
+        left = self._left_after_lapse
+        for req_id in left:
+            recv = meta.reqs_to_recv.get(req_id)
+            if recv is not None and not any(recv.local_block_ids):
+                del meta.reqs_to_recv[req_id]
+        left.clear()
         if not meta.heartbeat_by_engine:
             return meta
         window = self._lease_vouch_window

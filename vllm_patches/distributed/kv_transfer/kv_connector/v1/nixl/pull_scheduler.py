@@ -4,14 +4,20 @@
 
 F7 (KV leases, from v0.22): a READ only while the decoder can vouch for the remote
 prompt's lease (the bound kept in ``nixl/base_scheduler.py``); past it, 0 tokens,
-and neither a notification nor heartbeats for the request.
+and neither a notification nor heartbeats for the request, also one that ends before
+it was scheduled.
 """
 
 import math
 import time
 from typing import TYPE_CHECKING
 
-from vllm_patches._overlay import amend, call_at_end_of, filter_result_of
+from vllm_patches._overlay import (
+    amend,
+    call_at_end_of,
+    filter_result_of,
+    redirect_call_in,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -71,3 +77,13 @@ class NixlPullConnectorScheduler:
             return
         self._reqs_need_recv.pop(request.request_id, None)
         self._stop_heartbeat(request.request_id)
+
+    @redirect_call_in("request_finished", "self._stop_heartbeat")
+    def _stop_heartbeat_noting_lapse(self, req_id: str) -> None:
+        """Upstream's stop, after noting a request whose prompt may have lapsed
+        (the stop of a prompt's last request forgets its bound): the next metadata
+        drops the empty receive it stages if it ends unscheduled."""
+        key = self._heartbeat_req_engine.get(req_id)
+        if key is not None and self._lease_may_have_lapsed(key):
+            self._left_after_lapse.add(req_id)
+        self._stop_heartbeat(req_id)
