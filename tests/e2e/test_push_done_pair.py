@@ -50,7 +50,14 @@ def test_a_pushed_prompt_is_released_when_its_write_completed(mode: str) -> None
 
 @MODES
 def test_every_push_is_answered_and_the_producer_ends_empty(mode: str) -> None:
+    """Every prefill answered, and the producer's KV empty at the end; fixed, every
+    decode leg answered too. Stock need not answer one: in a clean-clone CI run of
+    2026-11-28 its producer served the n = 4 prefill only once the warm-up's lease ran
+    out (29.5 s, fixed 3.2 s), past the decoder's registration watchdog, whose stock
+    client then hangs (F9)."""
     run = pair(mode)
     for flow in [run["warmup"], *run["cases"]["writes"]["prompts"]]:
-        assert flow["prefill"]["status"] == flow["decode"]["status"] == 200, flow
+        assert flow["prefill"]["status"] == 200, flow
+        if not bug_expected("F18", mode):
+            assert flow["decode"]["status"] == 200, flow
     assert run["final_producer"]["kv_cache_usage_perc"] == 0.0, run["final_producer"]
