@@ -64,8 +64,6 @@ class EngineSettings:
     # The e2e test files that apply to the release (tests/tool/test_engine_settings.py:
     # every file runs on some release of the lane).
     tests: tuple[str, ...] = ()
-    # The connectors the NIXL pair runs with, each stock and fixed.
-    pair_connectors: tuple[str, ...] = ("NixlConnector",)
     # Processes of a served engine (tests/e2e/analysis.py, ROLES) that do not show the
     # plugin's line: vLLM 0.32's API server loads plugins while it builds its argument
     # parser, before it configures logging from the parsed arguments, so an INFO line
@@ -93,7 +91,7 @@ ENGINE_SETTINGS = {
                                              "tests/e2e/test_push_done_pair.py"),
                                       quiet_roles=("API server",)),
     # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
-    # pair, plainly and through MultiConnector, the load scenario and the fault matrix
+    # pair (through MultiConnector in the generated seeds), the load scenario and the fault matrix
     # (leases), and the push pair (NixlPushConnector, v0.24+); its engines' processes
     # show the plugin line. F1 is upstream from v0.24 (and its scenario's
     # layout assumes 16-token blocks); F3's worker-level race is proven by the v0.21.0
@@ -106,7 +104,6 @@ ENGINE_SETTINGS = {
                                              "tests/e2e/test_nixl_push_pair.py",
                                              "tests/e2e/test_hetero_tp_pair.py",
                                              "tests/e2e/test_generated_pairs.py"),
-                                      pair_connectors=("NixlConnector", "MultiConnector"),
                                       quiet_roles=("API server",)),
 }
 # Releases with a real-engine lane, and why no other: docs/real-engine-lane.md ("Which releases").
@@ -201,7 +198,6 @@ def engine_env(release: Version) -> dict[str, str]:
         "VLLM_PATCHES_E2E_OUT": str(out),
         "VLLM_PATCHES_E2E_RELEASE": str(release),
         "VLLM_PATCHES_E2E_BLOCK_SIZE": str(engine_settings(release).block_size),
-        "VLLM_PATCHES_E2E_PAIR_CONNECTORS": ",".join(engine_settings(release).pair_connectors),
         "VLLM_PATCHES_E2E_QUIET_ROLES": ",".join(engine_settings(release).quiet_roles),
         # The release's source tree: the F3 test builds its producer worker with
         # upstream's test utilities of the same release (vLLM itself is the wheel).

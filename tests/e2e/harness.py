@@ -65,19 +65,14 @@ def quiet_roles() -> tuple[str, ...]:
     return tuple(filter(None, os.environ.get("VLLM_PATCHES_E2E_QUIET_ROLES", "").split(",")))
 
 
-def pair_runs(multiconnector: bool = True) -> list[tuple[str, str]]:
-    """(mode, connector) of each run of a NIXL pair on this lane: stock and fixed with
-    each connector the release's lane names (``tools/engine_lane.py``,
-    ``engine_settings``), but fixed only through ``MultiConnector``, and not through it
-    unless ``multiconnector``. MultiConnector hands every call to its one NixlConnector
-    child, so its stock run shows the bug stock NixlConnector shows (measured stock both
-    ways until 2026-11-26, docs/real-engine-lane.md); its fixed run is what proves that
-    the fixes reach the child through it: the pull pair's, and the generated CI seeds
-    that draw it (pull and push), prove it for the other runs. Both cuts kept CI in its
-    budget."""
-    connectors = os.environ.get("VLLM_PATCHES_E2E_PAIR_CONNECTORS", "NixlConnector").split(",")
-    return [(mode, connector) for connector in connectors for mode in ("stock", "fixed")
-            if connector != "MultiConnector" or (mode == "fixed" and multiconnector)]
+def pair_runs() -> list[tuple[str, str]]:
+    """(mode, connector) of each run of a NIXL pair: stock and fixed NixlConnector.
+    MultiConnector hands every call to its one NixlConnector child, so its stock run
+    shows the bug stock NixlConnector shows (measured both ways until 2026-11-26,
+    docs/real-engine-lane.md); that the fixes reach the child through it, the generated
+    CI seeds that draw it prove, pull and push (tests/e2e/test_generated_pairs.py). The
+    fixed pairs through it cut for CI's budget, 2026-11-28."""
+    return [(mode, "NixlConnector") for mode in ("stock", "fixed")]
 
 
 def activation_line(mode: str, environ: dict[str, str]) -> str:

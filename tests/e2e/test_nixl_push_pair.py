@@ -46,10 +46,8 @@ from harness import (
 pytestmark = pytest.mark.engine
 
 # The pull pair's runs, with the push connector in NixlConnector's place.
-RUNS = pytest.mark.parametrize(
-    ("mode", "connector"),
-    [(mode, "NixlPushConnector" if connector == "NixlConnector" else connector)
-     for mode, connector in pair_runs(multiconnector=False)])
+RUNS = pytest.mark.parametrize(("mode", "connector"),
+                               [(mode, "NixlPushConnector") for mode, _ in pair_runs()])
 
 
 class PushRun:

@@ -5,8 +5,7 @@ One pair per run (``faults.py``, which says what each case sends): a producer an
 decoder that runs ``faults.DECODER_SEQS`` children at a time, lease ``faults.LEASE_S``
 (12 s: heartbeats every 2 s, each renewing 8 s). The runs:
 - stock and fixed with ``NixlConnector``, every case (the kill cases fixed only).
-  ``MultiConnector`` runs in the pull pair and in generated seeds
-  (``harness.pair_runs``).
+  ``MultiConnector`` runs in generated seeds (``harness.pair_runs``).
 
 What each case must show, fixed: no "Releasing expired KV blocks" line and no
 "Potentially invalid KV blocks" line for a prompt that was decoded or whose client left
@@ -40,7 +39,7 @@ pytestmark = pytest.mark.engine
 # would show nothing a fixed one does not.
 PAIR_CASES = ["waves", "abort_decoding", "abort_waiting", "no_decode", "stalled_decoder"]
 KILL_CASES = ["decoder_killed", "producer_killed"]
-RUNS = pair_runs(multiconnector=False)
+RUNS = pair_runs()
 KILL_RUNS = [run for run in RUNS if run == ("fixed", "NixlConnector")]
 LEASE_LINE = re.compile(r"request (\S+) which were retrieved by (\d+)")
 INVALID_LINE = re.compile(r"unrecognized request (\S+) were retrieved")
