@@ -17,7 +17,7 @@ import pytest
 from vllm_patches import _git
 from vllm_patches._catalog import releases as _releases
 from vllm_patches._catalog import series as _series
-from vllm_patches._catalog.patchset import Patch, PatchSet
+from vllm_patches._catalog.patchset import FileChange, Patch, PatchSet
 
 SERIES = _series.load()
 RELEASES = sorted(set(SERIES.lanes))
@@ -43,25 +43,55 @@ def requirements(patchset: PatchSet, patch: Patch) -> set[str]:
     return {f.id for f in wanted if f is not patch.fix} & ids
 
 
+def independent_groups(patchset: PatchSet) -> list[list[Patch]]:
+    """The patches in groups, each in series order, that share no file and no
+    requirement with another group: git applies each file on its own, so a set applies
+    when its part in every group does."""
+    groups: list[tuple[set[str], list[Patch]]] = []
+    for patch in patchset.patches:
+        keys = {*patch.changes, patch.fix.id, *requirements(patchset, patch)}
+        joined = [group for group in groups if group[0] & keys]
+        members = [p for group in joined for p in group[1]] + [patch]
+        groups = [group for group in groups if all(group is not j for j in joined)]
+        groups.append((keys.union(*(group[0] for group in joined)),
+                       sorted(members, key=patchset.patches.index)))
+    return [members for _, members in groups]
+
+
 @pytest.mark.parametrize("release", RELEASES, ids=str)
 def test_every_set_that_holds_its_requirements_applies_in_series_order(release, tmp_path):
     """Every fix alone with what it requires applies on the release (so each fix is
     independent of every fix it does not require), and so does every union of such
-    sets: what `apply --fix` and a conflict that blocks one fix leave to apply."""
+    sets: what `apply --fix` and a conflict that blocks one fix leave to apply. The
+    unions are tried within each of ``independent_groups`` (all of them at once took
+    minutes as the series grew)."""
     tree = _releases.fetch(release)
     patchset = PatchSet.load(SERIES, release)
-    patches = patchset.patches
     tried = 0
-    for size in range(1, len(patches) + 1):
-        for chosen in itertools.combinations(patches, size):
-            ids = {p.fix.id for p in chosen}
-            if any(not requirements(patchset, p) <= ids for p in chosen):
-                continue
-            tried += 1
-            assert applies(tree, tmp_path / f"set{tried}", list(chosen)) is None, (
-                f"v{release}: {', '.join(sorted(ids))} do not apply in series order on the "
-                f"release; declare the requirement in the fix's `requires`")
-    assert tried >= len(patches)
+    for group in independent_groups(patchset):
+        for size in range(1, len(group) + 1):
+            for chosen in itertools.combinations(group, size):
+                ids = {p.fix.id for p in chosen}
+                if any(not requirements(patchset, p) <= ids for p in chosen):
+                    continue
+                tried += 1
+                assert applies(tree, tmp_path / f"set{tried}", list(chosen)) is None, (
+                    f"v{release}: {', '.join(sorted(ids))} do not apply in series order "
+                    "on the release; declare the requirement in the fix's `requires`")
+    assert tried >= len(patchset.patches)
+
+
+def test_independent_groups_join_patches_through_a_shared_file():
+    """Two patches that share no file fall apart; a third that shares a file with each
+    joins them, in series order."""
+    fixes = [next(f for f in SERIES.fixes if f.id == fid) for fid in ("F2", "F4", "F5")]
+    change = FileChange(None, None, "100644")
+    a, b, c = (Patch(fix, Path(f"{fix.id}.patch"), dict.fromkeys(files, change))
+               for fix, files in zip(fixes, (["x.py"], ["y.py"], ["x.py", "y.py"])))
+    two = PatchSet(SERIES.newest, (a, b))
+    assert [[p.fix.id for p in g] for g in independent_groups(two)] == [["F2"], ["F4"]]
+    three = PatchSet(SERIES.newest, (a, b, c))
+    assert [[p.fix.id for p in g] for g in independent_groups(three)] == [["F2", "F4", "F5"]]
 
 
 @pytest.mark.parametrize("release", RELEASES, ids=str)
