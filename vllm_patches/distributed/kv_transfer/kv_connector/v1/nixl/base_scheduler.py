@@ -100,6 +100,12 @@ class NixlBaseConnectorScheduler:
         until = self._lease_vouched_until.get(key)
         return until is not None and time.perf_counter() > until
 
+    def _request_lease_may_have_lapsed(self, req_id: ReqId) -> bool:
+        """Whether the decoder can no longer vouch for the lease of the prompt request
+        ``req_id`` reads (False for a request that reads none)."""
+        key = self._heartbeat_req_engine.get(req_id)
+        return key is not None and self._lease_may_have_lapsed(key)
+
     @call_at_end_of("on_new_request")
     def _start_lease_vouch(self, request: "Request") -> None:
         """A prompt the decoder starts tracking: the producer holds it for a full

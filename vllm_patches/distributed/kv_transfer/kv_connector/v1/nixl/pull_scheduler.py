@@ -70,10 +70,9 @@ class NixlPullConnectorScheduler:
         takes it from the prefix cache after a sibling computed it) sends the producer
         no notification, which would name blocks the producer may have freed, and no
         more heartbeats: the producer's lease frees the prompt."""
-        if num_external_tokens:
-            return
-        key = self._heartbeat_req_engine.get(request.request_id)
-        if key is None or not self._lease_may_have_lapsed(key):
+        if num_external_tokens or not self._request_lease_may_have_lapsed(
+            request.request_id
+        ):
             return
         self._reqs_need_recv.pop(request.request_id, None)
         self._stop_heartbeat(request.request_id)
@@ -83,7 +82,6 @@ class NixlPullConnectorScheduler:
         """Upstream's stop, after noting a request whose prompt may have lapsed
         (the stop of a prompt's last request forgets its bound): the next metadata
         drops the empty receive it stages if it ends unscheduled."""
-        key = self._heartbeat_req_engine.get(req_id)
-        if key is not None and self._lease_may_have_lapsed(key):
+        if self._request_lease_may_have_lapsed(req_id):
             self._left_after_lapse.add(req_id)
         self._stop_heartbeat(req_id)
