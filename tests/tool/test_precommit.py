@@ -69,3 +69,17 @@ def test_hooks_that_cannot_run_fail_for_the_files_they_check_and_only_those():
 def test_local_hooks_are_kept_as_they_are():
     hooks, _, _ = hooks_by_id()
     assert hooks["mypy"] == CONFIG["repos"][-1]["hooks"][0]
+
+
+def test_a_mypy_cache_is_shared_by_runs_of_one_config_but_never_at_once(tmp_path, monkeypatch):
+    """Two runs at once get caches of their own; a run after them takes the first again;
+    another config, another cache."""
+    monkeypatch.setattr(precommit, "HOME", tmp_path / "precommit")
+    one, other = tmp_path / "one", tmp_path / "other"
+    for tree, text in ((one, "repos: []\n"), (other, "repos: [{repo: local}]\n")):
+        tree.mkdir()
+        (tree / ".pre-commit-config.yaml").write_text(text)
+    with precommit.mypy_cache(one) as first, precommit.mypy_cache(one) as second:
+        assert first != second and first.parent == second.parent
+    with precommit.mypy_cache(one) as again, precommit.mypy_cache(other) as elsewhere:
+        assert again == first and elsewhere.parent != first.parent
