@@ -21,13 +21,14 @@ from harness import run_scenario
 pytestmark = pytest.mark.engine
 
 # 219: push, plain, 3 prompts (n 2, 1, 8), 2 seats, lease 12, sequential, reversed, abort;
-# 94: pull, MultiConnector, 1 prompt (n 1), 4 seats, lease 30, concurrent, TP 2;
 # 241: pull, MultiConnector, n 2 and 3, full blocks only, 8 seats, lease 20, concurrent,
 # a decoder stall past the lease (it found F7's gaps: docs/real-engine-lane.md,
 # "Generated pairs");
 # 133: push, MultiConnector, n 6 and 1, 4 seats held 14.9 s, lease 12, a client abort
 # (stock breaks 3 invariants; the only CI run of push through MultiConnector).
-CI_SEEDS = [219, 94, 241, 133]
+# 94 (pull, MultiConnector, TP 2, no fault) ran until 2026-11-29 and was cut for CI's
+# budget: the TP-2 pair (test_hetero_tp_pair.py) and seed 241 cover what it drew.
+CI_SEEDS = [219, 241, 133]
 
 
 @pytest.mark.parametrize("seed", CI_SEEDS)
