@@ -91,9 +91,9 @@ ENGINE_SETTINGS = {
                                              "tests/e2e/test_push_done_pair.py"),
                                       quiet_roles=("API server",)),
     # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
-    # pair (through MultiConnector in the generated seeds), the load scenario and the fault matrix
-    # (leases), and the push pair (NixlPushConnector, v0.24+); its engines' processes
-    # show the plugin line. F1 is upstream from v0.24 (and its scenario's
+    # pair (through MultiConnector in the generated seeds), the load scenario and the
+    # fault matrix (leases), and the push pair (NixlPushConnector, v0.24+); its engines'
+    # processes show the plugin line. F1 is upstream from v0.24 (and its scenario's
     # layout assumes 16-token blocks); F3's worker-level race is proven by the v0.21.0
     # lane and the fix tests. The pair with a TP-2 decoder runs here only: vLLM's CPU
     # workers take tensor parallelism, and this layout is the one users deploy.

@@ -51,9 +51,9 @@ def independent_groups(patchset: PatchSet) -> list[list[Patch]]:
     for patch in patchset.patches:
         keys = {*patch.changes, patch.fix.id, *requirements(patchset, patch)}
         joined = [group for group in groups if group[0] & keys]
-        members = [p for group in joined for p in group[1]] + [patch]
-        groups = [group for group in groups if all(group is not j for j in joined)]
-        groups.append((keys.union(*(group[0] for group in joined)),
+        groups = [group for group in groups if not group[0] & keys]
+        members = [p for _, group in joined for p in group] + [patch]
+        groups.append((keys.union(*(group_keys for group_keys, _ in joined)),
                        sorted(members, key=patchset.patches.index)))
     return [members for _, members in groups]
 
