@@ -633,6 +633,79 @@ def push_connector(
     return connector
 
 
+@contextlib.contextmanager
+def push_producer_handshaken(
+    monkeypatch: pytest.MonkeyPatch, agent: type, decoder_tp_size: int = 1
+) -> Iterator[Any]:
+    """A push producer's worker (TP 1) on ``agent``, a subclass of upstream's fake
+    NIXL agent, after upstream's fake handshake with a decoder of
+    ``decoder_tp_size`` ranks (same block size and layout): one region, so a
+    block's descriptor is its id."""
+    base_worker = importlib.import_module(f"{_V1}.nixl.base_worker")
+    push_module = importlib.import_module(f"{_V1}.nixl.connector")
+    fakes = importlib.import_module(f"{__package__}.test_nixl_connector")
+    decoder = fakes.FakeNixlConnectorWorker.REMOTE_ENGINE_ID
+    monkeypatch.setattr(base_worker, "NixlWrapper", agent)
+    vllm_config = create_vllm_config(kv_connector="NixlPushConnector")
+    kv_cache_config = make_kv_cache_config(
+        block_size=vllm_config.cache_config.block_size
+    )
+    with set_current_vllm_config(vllm_config):
+        connector = push_module.NixlPushConnector(
+            vllm_config, KVConnectorRole.WORKER, kv_cache_config
+        )
+        worker: Any = connector.connector_worker
+        # What upstream's fake worker sets in place of register_kv_caches.
+        fake = fakes.FakeNixlConnectorWorker(
+            vllm_config,
+            worker.engine_id,
+            hand_shake_latency=0,
+            kv_cache_config=kv_cache_config,
+        )
+    for name in ("transfer_topo", "src_xfer_handles_by_block_size", "kv_cache_layout"):
+        setattr(worker, name, getattr(fake, name))
+    if hasattr(fake, "src_blocks_data"):
+        worker.src_blocks_data = fake.src_blocks_data
+    worker.num_regions = 1
+    if decoder_tp_size > 1:
+        # As upstream's test of a decoder of a higher TP size sets them: the
+        # handshake splits this one region per decoder rank (4096-byte slots).
+        worker.src_blocks_data = [(0, 4096 * worker.block_size, worker.tp_rank)]
+        worker.num_descs = len(worker.src_blocks_data)
+    worker.REMOTE_ENGINE_ID = decoder
+    worker._hand_shake_latency = 0
+    agents = fakes.FakeNixlConnectorWorker._nixl_handshake(
+        worker, "", 0, decoder_tp_size, decoder
+    )
+    worker._remote_agents[decoder] = agents if isinstance(agents, dict) else agents[0]
+    worker._engine_last_active[decoder] = time.perf_counter()
+    try:
+        yield worker
+    finally:
+        with contextlib.suppress(Exception):
+            fake.shutdown()
+            connector.shutdown()
+
+
+def push_registration(
+    worker: Any, decoder_blocks: list[int], decoder_tp_size: int = 1
+) -> dict[str, Any]:
+    """The registration (PUSH_REG payload) of one decode request of the decoder
+    ``push_producer_handshaken`` shook hands with, for ``decoder_blocks``."""
+    return {
+        "request_id": "cmpl-decode-0",
+        "decode_engine_id": worker.REMOTE_ENGINE_ID,
+        "decode_host": "localhost",
+        "decode_port": 0,
+        "decode_tp_size": decoder_tp_size,
+        "local_block_ids": (decoder_blocks,),
+        "remote_engine_id": worker.engine_id,
+        "remote_host": "localhost",
+        "remote_port": 0,
+        "remote_tp_size": 1,
+    }
+
+
 def connector_output(connector: Any) -> KVConnectorOutput:
     """What the worker-side connector reports of its transfers in a step."""
     kv_output = KVConnectorOutput()

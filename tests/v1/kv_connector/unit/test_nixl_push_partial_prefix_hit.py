@@ -14,30 +14,18 @@ layout), and read the block pairs off the WRITE it posts (one region: a block's
 descriptor is its id).
 """
 
-import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-    NixlPushConnector,
-)
-
 from . import nixl_harness
-from .test_nixl_connector import FakeNixlConnectorWorker, FakeNixlWrapper
-from .utils import create_vllm_config, make_kv_cache_config
+from .test_nixl_connector import FakeNixlWrapper
 
 # The distributed world is set up once for the module (dist_world).
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 dist_world = nixl_harness.dist_world
-
-DECODER = FakeNixlConnectorWorker.REMOTE_ENGINE_ID
 
 
 class WriteRecorder(FakeNixlWrapper):
@@ -57,54 +45,14 @@ class WriteRecorder(FakeNixlWrapper):
 @pytest.fixture
 def producer(dist_world, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A push producer's worker whose handshake with the decoder is done."""
-    monkeypatch.setattr(base_worker, "NixlWrapper", WriteRecorder)
-    vllm_config = create_vllm_config(kv_connector="NixlPushConnector")
-    kv_cache_config = make_kv_cache_config(
-        block_size=vllm_config.cache_config.block_size
-    )
-    with set_current_vllm_config(vllm_config):
-        connector = NixlPushConnector(
-            vllm_config, KVConnectorRole.WORKER, kv_cache_config
-        )
-        worker: Any = connector.connector_worker
-        # What upstream's fake worker sets in place of register_kv_caches.
-        fake = FakeNixlConnectorWorker(
-            vllm_config,
-            worker.engine_id,
-            hand_shake_latency=0,
-            kv_cache_config=kv_cache_config,
-        )
-    for name in ("transfer_topo", "src_xfer_handles_by_block_size", "kv_cache_layout"):
-        setattr(worker, name, getattr(fake, name))
-    if hasattr(fake, "src_blocks_data"):
-        worker.src_blocks_data = fake.src_blocks_data
-    worker.num_regions = 1
-    worker.REMOTE_ENGINE_ID = DECODER
-    worker._hand_shake_latency = 0
-    agents = FakeNixlConnectorWorker._nixl_handshake(worker, "", 0, 1, DECODER)
-    worker._remote_agents[DECODER] = agents if isinstance(agents, dict) else agents[0]
-    worker._engine_last_active[DECODER] = time.perf_counter()
-    yield worker
-    with contextlib.suppress(Exception):
-        fake.shutdown()
-        connector.shutdown()
+    with nixl_harness.push_producer_handshaken(monkeypatch, WriteRecorder) as worker:
+        yield worker
 
 
 def push(worker: Any, prompt: list[int], decoder: list[int]) -> tuple[list, list]:
     """Pair the producer's finished prompt blocks with a decoder registration of
     ``decoder`` blocks and return the one WRITE posted: (local, remote) blocks."""
-    registration = {
-        "request_id": "cmpl-decode-0",
-        "decode_engine_id": DECODER,
-        "decode_host": "localhost",
-        "decode_port": 0,
-        "decode_tp_size": 1,
-        "local_block_ids": (decoder,),
-        "remote_engine_id": worker.engine_id,
-        "remote_host": "localhost",
-        "remote_port": 0,
-        "remote_tp_size": 1,
-    }
+    registration = nixl_harness.push_registration(worker, decoder)
     worker._do_start_push_kv("cmpl-prefill-0", (prompt,), registration)
     writes = worker.nixl_wrapper.writes
     assert len(writes) == 1, f"WRITEs posted: {writes}"

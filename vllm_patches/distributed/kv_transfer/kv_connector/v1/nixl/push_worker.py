@@ -25,6 +25,10 @@ NIXL push mode (v0.24+), worker side:
   of kernel blocks on the two sides (heterogeneous TP of a hybrid model), an
   attention group's surplus is allocation rounding at the end, and blocks of another
   size are mapped by _xfer_blocks itself: both keep upstream's pairing.
+- F21 (producer side, up to v0.25; upstream since v0.26.0): a request's WRITEs (one
+  per decoder rank) are posted one at a time, and the poll may run between two
+  posts; a request is not reported done while the writer is still posting its
+  WRITEs, even if those posted so far completed.
 """
 
 import heapq
@@ -44,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     ReqId,
+    ReqMeta,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
     ReadSpec,
@@ -825,3 +830,42 @@ class NixlPushConnectorWorker:
         with self._sending_transfers_lock:
             self._push_failures.add(request_id)
         return self._handle_failed_transfer(request_id, handle)
+
+
+@amend("F21", ">=0.24.0")
+class NixlPushConnectorWorker:
+    """F21: no request is done sending while its WRITEs are being posted."""
+
+    @cached_property
+    def _posting(self) -> set[ReqId]:
+        """Requests whose WRITEs the writer thread is posting, read and written
+        under _sending_transfers_lock."""
+        return set()
+
+    @redirect_call_in("_do_start_push_kv", "self._xfer_blocks_for_req")
+    def _post_writes_as_one(self, req_id: str, meta: ReqMeta) -> None:
+        """Writer thread: post the request's WRITEs, one per decoder rank, with the
+        request marked as posting until the last is posted or has failed."""
+        with self._sending_transfers_lock:
+            self._posting.add(req_id)
+        try:
+            self._xfer_blocks_for_req(req_id=req_id, meta=meta)
+        finally:
+            with self._sending_transfers_lock:
+                self._posting.discard(req_id)
+
+    @filter_call_in("get_finished", "self._pop_done_transfers")
+    def _hold_back_requests_in_posting(self, done: set[str]) -> set[str]:
+        """Engine thread, under _sending_transfers_lock: a request whose WRITEs
+        are still being posted is not done, though those posted so far completed.
+
+        Invariant: a producer request is reported done sending only after its last
+        WRITE was posted and completed. Each WRITE was published to the poll as it
+        was posted, so a first WRITE that completed before the next was posted
+        freed the prompt's blocks under the later WRITEs (PR 45880). The request
+        keeps an entry, empty or with the WRITEs posted since, so a later poll
+        reports it."""
+        posting = done & self._posting
+        for req_id in posting:
+            self._sending_transfers.setdefault(req_id, [])
+        return done - posting
