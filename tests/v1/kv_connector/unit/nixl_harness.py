@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from vllm.config import set_current_vllm_config
@@ -670,8 +671,13 @@ def push_producer_handshaken(
     if decoder_tp_size > 1:
         # As upstream's test of a decoder of a higher TP size sets them: the
         # handshake splits this one region per decoder rank (4096-byte slots).
-        worker.src_blocks_data = [(0, 4096 * worker.block_size, worker.tp_rank)]
-        worker.num_descs = len(worker.src_blocks_data)
+        # Up to v0.32 a row is a block (address, length, device); from v0.33 a
+        # strided one is the region (and stride, block count).
+        block_len = 4096 * worker.block_size
+        row = (0, block_len, worker.tp_rank, block_len, kv_cache_config.num_blocks)
+        columns = getattr(fake, "src_blocks_data", np.empty((0, 3))).shape[1]
+        worker.src_blocks_data = np.array([row[:columns]], dtype=np.uint64)
+        worker.num_descs = 1 if columns == 3 else kv_cache_config.num_blocks
     worker.REMOTE_ENGINE_ID = decoder
     worker._hand_shake_latency = 0
     agents = fakes.FakeNixlConnectorWorker._nixl_handshake(

@@ -16,10 +16,15 @@ decoder of TP 2, and run the engine thread's poll between the two posts.
 """
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+)
 
 from . import nixl_harness
 from .test_nixl_connector import FakeNixlWrapper
@@ -30,13 +35,22 @@ pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 dist_world = nixl_harness.dist_world
 
 PROMPT = "cmpl-prefill-0"
+LEASE = 30
+
+
+def finished_sending(worker: Any) -> set[str]:
+    """What the worker reports done sending in one step (get_transfer_results
+    from v0.30, get_finished before)."""
+    if hasattr(worker, "get_transfer_results"):
+        return worker.get_transfer_results().finished_sending or set()
+    return worker.get_finished()[0] or set()
 
 
 def poll(worker: Any) -> set[str]:
-    """The engine thread's get_finished, run in a thread of its own as in an
-    engine: the requests it reports done sending."""
+    """The engine thread's poll, run in a thread of its own as in an engine: the
+    requests it reports done sending."""
     done: list[set[str]] = []
-    thread = threading.Thread(target=lambda: done.append(worker.get_finished()[0]))
+    thread = threading.Thread(target=lambda: done.append(finished_sending(worker)))
     thread.start()
     thread.join(timeout=60)
     assert done, "the engine thread's poll waited on the writer's posts"
@@ -76,7 +90,12 @@ def producer(dist_world, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def push(worker: Any, decoder_tp_size: int) -> None:
-    """Pair a finished prompt of three blocks with a decoder's registration."""
+    """Hold a finished prompt of three blocks under its lease, and pair it with a
+    decoder's registration."""
+    metadata = NixlConnectorMetadata()
+    metadata.reqs_in_batch = {PROMPT}
+    metadata.reqs_to_send = {PROMPT: time.perf_counter() + LEASE}
+    worker.start_load_kv(metadata)
     registration = nixl_harness.push_registration(worker, [50, 51, 52], decoder_tp_size)
     worker._do_start_push_kv(PROMPT, ([10, 11, 12],), registration)
 

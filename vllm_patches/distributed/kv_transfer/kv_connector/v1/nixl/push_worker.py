@@ -856,15 +856,9 @@ class NixlPushConnectorWorker:
 
     @filter_call_in("get_finished", "self._pop_done_transfers")
     def _hold_back_requests_in_posting(self, done: set[str]) -> set[str]:
-        """Engine thread, under _sending_transfers_lock: a request whose WRITEs
-        are still being posted is not done, though those posted so far completed.
-
-        Invariant: a producer request is reported done sending only after its last
-        WRITE was posted and completed. Each WRITE was published to the poll as it
-        was posted, so a first WRITE that completed before the next was posted
-        freed the prompt's blocks under the later WRITEs (PR 45880). The request
-        keeps an entry, empty or with the WRITEs posted since, so a later poll
-        reports it."""
+        """Engine thread, under _sending_transfers_lock: a request is done sending
+        only once its last WRITE was posted and completed (PR 45880). One still
+        posting keeps an entry, so that a later poll reports it."""
         posting = done & self._posting
         for req_id in posting:
             self._sending_transfers.setdefault(req_id, [])
