@@ -280,7 +280,7 @@ def run_lane(release: Version, skip_upstream: bool) -> list[str]:
     fix_tests = [t for expected in expectations for t in expected.tests]
     # Where a fix is upstream, its bug reproductions must pass on stock: proof of "upstream".
     landed = [fix for fix in series.fixes if fix.on(release).need is _series.Need.UPSTREAM]
-    landed_nodes = [node for fix in landed for node in fix.stock_fails]
+    landed_nodes = [node for fix in landed for node in fix.upstream_proof_on(release)]
 
     installed = ensure_package(python)
     if installed:

@@ -216,7 +216,8 @@ class Fix:
     timing_sensitive: tuple[UpstreamTestNote, ...] = ()
     # Fix tests that check kept behaviour but fail on stock of some releases for
     # another fix's bug there (``[[fails_on_stock]]``): on those releases the lanes
-    # expect them to fail on stock, as ``stock_fails``.
+    # expect them to fail on stock, as ``stock_fails``, and where the fix is upstream
+    # they do not take them as proof of it (``upstream_proof_on``).
     fails_on_stock: tuple[UpstreamTestNote, ...] = ()
     # Upstream test modules whose tests the fix changes, amended by overlays at their
     # upstream paths in this repository (``tests/v1/...``, markers as in the overlays
@@ -317,6 +318,13 @@ class Fix:
         ``fails_on_stock`` names for it."""
         return self.stock_fails + tuple(entry.node for entry in self.fails_on_stock
                                         if entry.applies(release))
+
+    def upstream_proof_on(self, release: Version) -> tuple[str, ...]:
+        """Where upstream fixed the bug: the reproductions that must pass on stock
+        ``release``, ``stock_fails`` less those ``fails_on_stock`` names for it (another
+        fix's bug there)."""
+        other_bug = {entry.node for entry in self.fails_on_stock if entry.applies(release)}
+        return tuple(node for node in self.stock_fails if node not in other_bug)
 
     @property
     def backport(self) -> str:
