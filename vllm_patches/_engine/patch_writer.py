@@ -152,7 +152,7 @@ def check_formatted(tree: Path, upstream_path: str, source: str, upstream: str) 
     lines, report = _unformatted(tree, upstream_path, source)
     if lines and lines - _unformatted(tree, upstream_path, upstream)[0]:
         raise UserError(
-            f"spliced {upstream_path} is not ruff-formatted under v{tree.name}'s config; "
+            f"spliced {upstream_path} is not ruff-formatted under {tree.name}'s config; "
             "format the overlay:\n" + report[-2000:]
         )
 
