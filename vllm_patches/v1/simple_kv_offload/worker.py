@@ -391,3 +391,29 @@ class SimpleCPUOffloadWorker:
     @redirect_call_in("_init_cpu_mode", "self._backend.init")
     def _cpu_backend_init(self, *args) -> None:
         self._init_copy_backend(*args)
+
+
+@amend("F22", ">=0.19.0")
+class SimpleCPUOffloadWorker:
+    @redirect_call_in("get_finished", "self._backend.launch_copy")
+    def _launch_copy_after_compute(
+        self,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        is_store: bool,
+        event_idx: int,
+        events_list: list[tuple[int, torch.Event]],
+    ) -> None:
+        """Upstream's launch; a store (GPU->CPU) is queued only after the store
+        stream waits for the work issued so far to the compute stream, whose forward
+        writes the blocks it reads (vllm#45704). Loads read host memory: no wait."""
+        if is_store:
+            assert self.store_stream is not None
+            self.store_stream.wait_stream(torch.cuda.current_stream())
+        self._backend.launch_copy(
+            src_blocks,
+            dst_blocks,
+            is_store=is_store,
+            event_idx=event_idx,
+            events_list=events_list,
+        )
