@@ -71,6 +71,17 @@ def test_fix_tests_exist_and_stock_fails_name_them(fix):
         assert node.split("::")[0] in fix.tests
 
 
+def test_a_test_failing_for_another_bug_is_no_proof_of_upstream_there_only():
+    """F21 is upstream from v0.26.0; on v0.30.0 one of its reproductions fails on stock
+    for F18's bug, so the lanes expect it to fail there and take the rest as proof."""
+    f21 = SERIES.fix("F21")
+    other_bug = "test_the_request_is_reported_once_after_its_last_write"
+    on_v030 = f21.upstream_proof_on(Version("0.30.0"))
+    assert on_v030 and not any(node.endswith(other_bug) for node in on_v030)
+    assert any(node.endswith(other_bug) for node in f21.stock_fails_on(Version("0.30.0")))
+    assert f21.upstream_proof_on(Version("0.33.0")) == f21.stock_fails
+
+
 def test_series_tests_exist_belong_to_no_fix_and_apply_on_a_lane():
     """Tests of the series as a whole (series.toml ``[series_tests]``): files of
     tests/v1, each ``stock_fails`` node one of them, none listed by a fix (a fix's

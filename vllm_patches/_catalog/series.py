@@ -316,15 +316,18 @@ class Fix:
     def stock_fails_on(self, release: Version) -> tuple[str, ...]:
         """The fix tests that must fail on stock ``release``: ``stock_fails``, and those
         ``fails_on_stock`` names for it."""
-        return self.stock_fails + tuple(entry.node for entry in self.fails_on_stock
-                                        if entry.applies(release))
+        return self.stock_fails + self._failing_for_another_bug_on(release)
 
     def upstream_proof_on(self, release: Version) -> tuple[str, ...]:
         """Where upstream fixed the bug: the reproductions that must pass on stock
         ``release``, ``stock_fails`` less those ``fails_on_stock`` names for it (another
         fix's bug there)."""
-        other_bug = {entry.node for entry in self.fails_on_stock if entry.applies(release)}
+        other_bug = set(self._failing_for_another_bug_on(release))
         return tuple(node for node in self.stock_fails if node not in other_bug)
+
+    def _failing_for_another_bug_on(self, release: Version) -> tuple[str, ...]:
+        """The fix tests ``fails_on_stock`` names for ``release``."""
+        return tuple(entry.node for entry in self.fails_on_stock if entry.applies(release))
 
     @property
     def backport(self) -> str:
