@@ -63,6 +63,8 @@ from vllm_patches._commands import export as _export
 from vllm_patches._plural import count
 
 REPO = Path(__file__).resolve().parent.parent
+# Plugins every lane's pytest loads: upstream's per-test cleanup off (each says why).
+LANE_PLUGINS = REPO / "tools" / "pytest_plugins"
 # Venvs, trees and reports; VLLM_PATCHES_BUILD puts them elsewhere (a second checkout or
 # a parallel run can run lanes without touching another run's trees).
 BUILD = Path(os.environ.get("VLLM_PATCHES_BUILD") or REPO / "build").resolve()
@@ -179,7 +181,7 @@ def vllm_test_env(tree: Path, dist_root: Path) -> dict[str, str]:
     """The environment that runs a vLLM source tree's Python on CPU, offline."""
     return {
         **os.environ,
-        "PYTHONPATH": f"{tree}{os.pathsep}{dist_root}",
+        "PYTHONPATH": os.pathsep.join(map(str, (tree, dist_root, LANE_PLUGINS))),
         "VLLM_TARGET_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
         "HF_HOME": str(offline_hf_home()),
@@ -233,7 +235,8 @@ def run_pytest(python: Path, tree: Path, dist_root: Path, tests: list[str],
     if runtime is not None:
         plugin = ["-p", RUNTIME_PLUGIN]
         env["VLLM_PATCHES_DISABLE"] = "0" if runtime == "on" else "1"
-    args = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *plugin,
+    args = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            "-p", "skip_global_cleanup", *plugin,
             f"--report-log={report}", *tests, *(f"--deselect={d}" for d in deselect)]
     proc = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
     summary = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
