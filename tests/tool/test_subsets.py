@@ -142,7 +142,9 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F20": "applicable (0006-F20-idle-engine-steps-for-held-kv.patch)",
                            "F21": "not applicable (needed on vLLM >=0.24.0,<0.26.0, not on "
                                   "v0.21.0)",
-                           "F22": "applicable (0007-F22-cpu-offload-store-after-compute.patch)"}
+                           "F22": "applicable (0007-F22-cpu-offload-store-after-compute.patch)",
+                           "F23": "not applicable (needed on vLLM >=0.22.0,<0.30.0, not on "
+                                  "v0.21.0)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]
     code, out, _ = run(capsys, "apply", "--fix", "F5,F3", "--check", str(checkout))

@@ -6,7 +6,8 @@ NIXL producer (prefill) release path (vllm-project/vllm#43509): F2 releases
 parallel-sampling siblings together (``BestOfSiblings``), F3 stages notifications
 that race registration (``EarlyPullNotifications``), F8 holds a prompt under a READ.
 F17 (v0.22 - v0.30) lets the lease expiry release every lease that ran out, also
-behind one renewed or held (vllm-project/vllm#58222, fixed in v0.31).
+behind one renewed or held (vllm-project/vllm#58222, fixed in v0.31). F23 (v0.22 -
+v0.29) reports a failed READ's request after its other READs (PR 56104, in v0.30).
 """
 
 from __future__ import annotations
@@ -232,6 +233,36 @@ class NixlBaseConnectorWorker:
     def _reap_every_expired_lease(self, now: float) -> float:
         """The clock reading the lease expiry uses, with the expired leases first."""
         return self._expired_leases_first(now)
+
+
+@amend("F23", ">=0.24.0")
+@amend("F23", ">=0.22.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+class NixlBaseConnectorWorker:
+    """F23: a request with a failed READ is reported only once none of its READs is
+    in flight (v0.22 - v0.29; upstream from v0.30, PR 56104)."""
+
+    @cached_property
+    def _failed_with_reads_in_flight(self) -> set[ReqId]:
+        """Failed receives held back from get_finished while another READ of theirs
+        (one per producer rank) may still write into their blocks."""
+        return set()
+
+    @filter_call_in("get_finished", "self._pop_done_transfers")
+    def _hold_failures_until_reads_end(self, done_recving: set[ReqId]) -> set[ReqId]:
+        """What the poll found done, after moving the queued failed receives whose
+        request still has a READ in flight out of the queue get_finished drains next,
+        and back into it the held ones whose last READ ended."""
+        # Reported early, the scheduler frees or recomputes blocks a READ still
+        # writes, and the READ's own completion then ends the worker on get_finished's
+        # "assert meta is not None".
+        held = self._failed_with_reads_in_flight
+        failed = self._failed_recv_reqs
+        while not failed.empty():
+            held.add(failed.get_nowait())
+        for req_id in [r for r in held if r not in self._recving_transfers]:
+            held.discard(req_id)
+            failed.put(req_id)
+        return done_recving
 
 
 @amend("F3", ">=0.24.0")
