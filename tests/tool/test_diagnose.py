@@ -112,6 +112,9 @@ CASES = {
     "push-failed-write-crash": ("0.28.0", [PUSH, (
         "(Worker_TP0 pid=90) AssertionError: cmpl-w-0-1234abcd not found in recving_metadata "
         "list")]),
+    "pull-failed-read-crash": ("0.23.0", [(
+        "(Worker_TP1 pid=91) AssertionError: cmpl-r-0-5678abcd not found in recving_metadata "
+        "list")]),
     "expired-behind-renewed-head": ("0.27.0", [expired("cmpl-a-0-11111111", second=95),
                                                expired("cmpl-b-0-22222222", second=95)]),
     "slow-cpu-tier-pin": ("0.28.0", [CPU_TIER, ready(192, 190.12)]),

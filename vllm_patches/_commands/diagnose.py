@@ -318,8 +318,16 @@ def remote_block_ids(engine: Engine, symptom: Symptom) -> Hit | None:
     return _hit(engine.matches["remote_block_ids"])
 
 
-def recving_metadata(engine: Engine, symptom: Symptom) -> Hit | None:
-    return _hit(engine.matches["recving_metadata"])
+def failed_write_assert(engine: Engine, symptom: Symptom) -> Hit | None:
+    """The worker's assert on a receive it no longer tracks, in push mode: the
+    producer took its own failed WRITE for a failed receive."""
+    return _hit(engine.matches["recving_metadata"]) if engine.matches["push_mode"] else None
+
+
+def failed_read_assert(engine: Engine, symptom: Symptom) -> Hit | None:
+    """The same assert in pull mode: a decoder reported a request whose READ failed
+    while another READ of it was in flight, and that READ's completion found it gone."""
+    return None if engine.matches["push_mode"] else _hit(engine.matches["recving_metadata"])
 
 
 def expired_in_a_burst(engine: Engine, symptom: Symptom) -> Hit | None:
@@ -368,7 +376,7 @@ def kvcached_hang(engine: Engine, symptom: Symptom) -> Hit | None:
 RULES = {rule.__name__: rule for rule in (
     read_after_lease, read_after_release, early_notification, stranded_siblings,
     push_expired, push_unrecognized, registration_timeout, retry_timed_out, remote_block_ids,
-    recving_metadata, expired_in_a_burst, slow_cpu_tier_pin, kvcached_hang)}
+    failed_write_assert, failed_read_assert, expired_in_a_burst, slow_cpu_tier_pin, kvcached_hang)}
 
 
 # ------------------------------------------------------------------------------ symptoms
