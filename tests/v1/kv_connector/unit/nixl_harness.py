@@ -205,6 +205,17 @@ def messages(records: list[logging.LogRecord], text: str) -> list[str]:
 # A pull producer worker.
 # ---------------------------------------------------------------------------
 
+
+def transfer_results(worker: Any) -> tuple[set[str], set[str]]:
+    """What a worker reports done sending and done receiving in one poll
+    (``get_transfer_results`` from v0.30, ``get_finished`` before)."""
+    if hasattr(worker, "get_transfer_results"):
+        results = worker.get_transfer_results()
+        return set(results.finished_sending or ()), set(results.finished_recving or ())
+    done_sending, done_recving = worker.get_finished()
+    return set(done_sending), set(done_recving)
+
+
 # Lifetime of a registered request: nothing expires unless a test advances
 # the clock by more.
 TTL = 1000.0
@@ -282,10 +293,7 @@ class Producer:
 
     def finished_sending(self) -> set[str]:
         """What the worker reports done sending: the KV it releases now."""
-        if hasattr(self.worker, "get_transfer_results"):
-            return set(self.worker.get_transfer_results().finished_sending or ())
-        done_sending, _ = self.worker.get_finished()
-        return set(done_sending)
+        return transfer_results(self.worker)[0]
 
     # -- state ---------------------------------------------------------------
     @property

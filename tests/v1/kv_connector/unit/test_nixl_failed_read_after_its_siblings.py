@@ -97,13 +97,6 @@ class ScriptedReads:
         pass
 
 
-def finished_recving(worker) -> set[str]:
-    if hasattr(worker, "get_transfer_results"):
-        return set(worker.get_transfer_results().finished_recving or ())
-    _, done_recving = worker.get_finished()
-    return set(done_recving)
-
-
 def violations(worker, receives: list[Receive]) -> list[str]:
     """Poll until every READ ended, and once more; what broke the invariants."""
     agent = ScriptedReads(receives)
@@ -118,11 +111,11 @@ def violations(worker, receives: list[Receive]) -> list[str]:
     found: list[str] = []
     reported: dict[str, int] = {}
     invalid: set[int] = set()
-    last = max(read.ends_at for r in receives for read in r.reads) + 1
+    last = max(r.last_read_ends_at for r in receives) + 1
     for poll in range(1, last + 1):
         agent.poll = poll
         try:
-            done = finished_recving(worker)
+            done = nixl_harness.transfer_results(worker)[1]
         except AssertionError as e:
             return found + [f"poll {poll} ended the worker: {e}"]
         invalid |= worker.get_block_ids_with_load_errors()

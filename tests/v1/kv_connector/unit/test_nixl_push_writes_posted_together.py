@@ -38,19 +38,13 @@ PROMPT = "cmpl-prefill-0"
 LEASE = 30
 
 
-def finished_sending(worker: Any) -> set[str]:
-    """What the worker reports done sending in one step (get_transfer_results
-    from v0.30, get_finished before)."""
-    if hasattr(worker, "get_transfer_results"):
-        return worker.get_transfer_results().finished_sending or set()
-    return worker.get_finished()[0] or set()
-
-
 def poll(worker: Any) -> set[str]:
     """The engine thread's poll, run in a thread of its own as in an engine: the
     requests it reports done sending."""
     done: list[set[str]] = []
-    thread = threading.Thread(target=lambda: done.append(finished_sending(worker)))
+    thread = threading.Thread(
+        target=lambda: done.append(nixl_harness.transfer_results(worker)[0])
+    )
     thread.start()
     thread.join(timeout=60)
     assert done, "the engine thread's poll waited on the writer's posts"
