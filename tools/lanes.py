@@ -7,7 +7,7 @@ For each lane (a covered release whose tests CI runs, `lanes` in series.toml):
      ``vllm-patches apply`` (the command users run);
   3. copy the fix tests into both, at their upstream paths;
   4. stock: every test a fix lists in ``stock_fails`` must fail, and those its
-     ``[[fails_on_stock]]`` names for the release (another fix's bug there), the others pass;
+     ``[[fails_on_stock]]`` names for the release (a bug only there), the others pass;
   5. patched: the fix tests and upstream's own suites for the changed code pass, less the
      upstream tests a fix deselects for the release (``[[deselect]]``, each with its
      reason, the CPU, offline environment; each entry must match a test). A narrow lane

@@ -91,9 +91,10 @@ class UpstreamTestNote:
     """A test a fix's metadata names for some releases, and why: an upstream test in
     ``[[deselect]]`` (left out of the lane runs: the CPU, offline environment fails
     it) or ``[[timing_sensitive]]`` (rerun alone when it fails in a lane; see
-    tools/lanes.py), or a fix test in ``[[fails_on_stock]]`` (it fails on stock for
-    another fix's bug there). An upstream test whose expectation the fix changes is
-    no note: the fix amends it (``test_overlays``)."""
+    tools/lanes.py), or a fix test in ``[[fails_on_stock]]`` (it fails on stock of
+    those releases only: another fix's bug, or a form of its own bug, is there). An
+    upstream test whose expectation the fix changes is no note: the fix amends it
+    (``test_overlays``)."""
 
     node: str
     releases_text: str  # PEP 440 specifier; "" for every release
@@ -214,8 +215,9 @@ class Fix:
     upstream_tests: tuple[str, ...]
     deselect: tuple[UpstreamTestNote, ...]
     timing_sensitive: tuple[UpstreamTestNote, ...] = ()
-    # Fix tests that check kept behaviour but fail on stock of some releases for
-    # another fix's bug there (``[[fails_on_stock]]``): on those releases the lanes
+    # Fix tests that pass on stock of some releases but fail on others, for another
+    # fix's bug there or a form of the fix's own bug that only those releases have
+    # (``[[fails_on_stock]]``): on those releases the lanes
     # expect them to fail on stock, as ``stock_fails``, and where the fix is upstream
     # they do not take them as proof of it (``upstream_proof_on``).
     fails_on_stock: tuple[UpstreamTestNote, ...] = ()
