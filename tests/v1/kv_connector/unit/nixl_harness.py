@@ -231,7 +231,9 @@ def _topology_class() -> type:
 
 
 class _Topology:
-    """The producer's TP topology; only ``tp_ratio`` is on the release path."""
+    """The worker's TP topology: ``tp_ratio`` on the release path; a remote's info and
+    block size ratio where a decoder post-processes a finished READ (up to v0.21 also
+    a failed one), its remote blocks the size of the local ones."""
 
     def __init__(self, topology_cls: type[Any], tp_size: int) -> None:
         self.tp_size = tp_size
@@ -239,6 +241,15 @@ class _Topology:
 
     def tp_ratio(self, remote_tp_size: int) -> int:
         return self._topology_cls.tp_ratio(self, remote_tp_size)
+
+    def get_engine_info(self, remote_engine_id: str) -> SimpleNamespace:
+        return SimpleNamespace(remote_block_size=None)
+
+    def block_size_ratio(self, remote_block_size: int | None) -> int:
+        return 1
+
+    def block_size_ratio_from_engine_id(self, remote_engine_id: str) -> int:
+        return 1
 
 
 class Producer:

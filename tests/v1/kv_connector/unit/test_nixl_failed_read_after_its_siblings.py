@@ -1,17 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""NIXL pull decoder (v0.22+): a request one of whose READs failed is reported once,
-as failed, only after none of its READs is in flight.
+"""NIXL pull decoder: a request one of whose READs failed is reported once, as
+failed, only after none of its READs is in flight.
 
 Reproduces the pull half of what PR 56104 fixed in v0.30: a decoder that reads a
-request from several producer ranks (heterogeneous TP) has one READ handle per rank.
-Up to v0.29, the first handle NIXL reports failed queued the request as a failed
-receive, which get_finished reported at once, while the other READs still wrote
-into its blocks; the next of them to complete ended the worker on "assert meta is
-not None". The worker is driven through its own poll (``get_finished`` /
-``get_transfer_results``) with a fake NIXL agent whose handles end when each
-seeded scenario says (``nixl_harness.make_producer``: the same worker class reads
-as a decoder).
+request from several producer ranks (heterogeneous TP) posts one READ per rank.
+Up to v0.29, a READ whose post raised (and, from v0.22, one NIXL reports failed)
+queued the request as a failed receive, which get_finished reported at once, while
+its other READs still wrote into its blocks; the next of them to complete ended the
+worker on "assert meta is not None". The worker is driven through its own poll
+(``get_finished`` / ``get_transfer_results``) with a fake NIXL agent whose handles
+end when each seeded scenario says (``nixl_harness.make_producer``: the same worker
+class reads as a decoder).
 """
 
 import random
@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 dist_world = nixl_harness.dist_world
 make_producer = nixl_harness.make_producer
 
-# How a READ ends: NIXL reports it done, reports it failed, or its poll raises.
-OUTCOMES = ("DONE", "ERR", "raise")
+# How a READ ends: NIXL reports it done, reports it failed, its poll raises, or its
+# post raised, so that it never flew.
+OUTCOMES = ("DONE", "ERR", "raise", "post")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class Read:
     handle: int
     outcome: str
     ends_at: int  # the first poll that sees it ended
+
+    @property
+    def posted(self) -> bool:
+        return self.outcome != "post"
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,11 @@ class Receive:
 
     @property
     def last_read_ends_at(self) -> int:
-        return max(read.ends_at for read in self.reads)
+        """The poll that must report it: the first, when no READ of it flew."""
+        return max([1] + [read.ends_at for read in self.reads if read.posted])
 
     def in_flight_at(self, poll: int) -> list[Read]:
-        return [read for read in self.reads if read.ends_at > poll]
+        return [read for read in self.reads if read.posted and read.ends_at > poll]
 
 
 def draw(seed: int) -> list[Receive]:
@@ -97,16 +103,40 @@ class ScriptedReads:
         pass
 
 
+def fail_post(worker, receive: Receive) -> None:
+    """What ``_read_blocks`` leaves when a READ's post raises, up to v0.29: the
+    request's blocks marked invalid and the request queued as a failed receive (a
+    set up to v0.21, a queue after; from v0.30 the queue other threads report to)."""
+    if isinstance(worker._failed_recv_reqs, set):
+        worker._invalid_block_ids.update(receive.blocks)
+        worker._failed_recv_reqs.add(receive.req_id)
+    else:
+        worker._invalid_block_ids.put(set(receive.blocks))
+        worker._failed_recv_reqs.put(receive.req_id)
+
+
 def violations(worker, receives: list[Receive]) -> list[str]:
-    """Poll until every READ ended, and once more; what broke the invariants."""
+    """Post every READ, poll until every posted one ended, and once more; what broke
+    the invariants."""
     agent = ScriptedReads(receives)
     for name in ("check_xfer_state", "get_xfer_telemetry", "release_xfer_handle"):
         setattr(worker.nixl_wrapper, name, getattr(agent, name))
     for receive in receives:
         worker._recving_metadata[receive.req_id] = SimpleNamespace(
-            local_block_ids=[list(receive.blocks)], remote=None
+            local_block_ids=[list(receive.blocks)],
+            local_physical_block_ids=[list(receive.blocks)],
+            remote=SimpleNamespace(
+                engine_id="prefill",
+                request_id=receive.req_id,
+                host="localhost",
+                port=5600,
+                block_ids=[list(receive.blocks)],
+            ),
         )
-        worker._recving_transfers[receive.req_id] = [r.handle for r in receive.reads]
+        if posted := [read.handle for read in receive.reads if read.posted]:
+            worker._recving_transfers[receive.req_id] = posted
+        if not all(read.posted for read in receive.reads):
+            fail_post(worker, receive)
     by_id = {receive.req_id: receive for receive in receives}
     found: list[str] = []
     reported: dict[str, int] = {}
