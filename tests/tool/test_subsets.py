@@ -1,7 +1,7 @@
 """One conflicting fix blocks only the fixes that require it, and
 `status`, `apply` and `revert` take a subset of the fixes (``--fix``), all or nothing
-for that subset. On real release checkouts (v0.21.0: every fix but F3 stands alone;
-v0.18.1: F2, F3 and F5 change one file)."""
+for that subset. On real release checkouts (v0.21.0: every fix but F3 and F23 stands
+alone; v0.18.1: F2, F3 and F5 change one file)."""
 
 from pathlib import Path
 
@@ -57,23 +57,23 @@ def test_a_conflict_blocks_only_the_fixes_that_require_it(checkout, capsys):
     before = snapshot(checkout)
     code, _, err = run(capsys, "apply", str(checkout))
     assert code == EXIT_REFUSED and len(err.strip().splitlines()) == 1, err
-    again = f"vllm-patches apply --fix F2,F3,F4,F5,F20,F22 {checkout}"
+    again = f"vllm-patches apply --fix F2,F3,F4,F5,F20,F22,F23 {checkout}"
     assert err.startswith("vllm-patches: refused: F1 conflicts: ") and f"`{again}`" in err
     assert snapshot(checkout) == before
     code, _, err = run(capsys, "apply", "--no-commit", "--check", str(checkout))
     assert code == EXIT_REFUSED
-    assert "apply --no-commit --check --fix F2,F3,F4,F5,F20,F22" in err
+    assert "apply --no-commit --check --fix F2,F3,F4,F5,F20,F22,F23" in err
 
     code, out, _ = run(capsys, *again.split()[1:])
-    assert code == EXIT_OK and "done: F2, F3, F4, F5, F20, F22" in out
-    applied = ("F2", "F3", "F4", "F5", "F20", "F22")
+    assert code == EXIT_OK and "done: F2, F3, F4, F5, F20, F22, F23" in out
+    applied = ("F2", "F3", "F4", "F5", "F20", "F22", "F23")
     assert subjects(checkout, base) == [title(f) for f in applied]
     code, out, _ = run(capsys, "status", str(checkout))
     found = states(out)
     assert code == EXIT_REFUSED and found["F1"].startswith("conflict (")
-    assert [found[f] for f in applied] == ["applied"] * 6
+    assert [found[f] for f in applied] == ["applied"] * 7
     code, out, _ = run(capsys, "revert", str(checkout))
-    assert code == EXIT_OK and "done: F2, F3, F4, F5, F20, F22" in out
+    assert code == EXIT_OK and "done: F2, F3, F4, F5, F20, F22, F23" in out
     assert git(checkout, "diff", base, "HEAD") == ""
 
 
@@ -143,8 +143,8 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F21": "not applicable (needed on vLLM >=0.24.0,<0.26.0, not on "
                                   "v0.21.0)",
                            "F22": "applicable (0007-F22-cpu-offload-store-after-compute.patch)",
-                           "F23": "not applicable (needed on vLLM >=0.22.0,<0.30.0, not on "
-                                  "v0.21.0)"}
+                           "F23": "applicable (0008-F23-nixl-failed-read-after-its-siblings"
+                                  ".patch)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]
     code, out, _ = run(capsys, "apply", "--fix", "F5,F3", "--check", str(checkout))

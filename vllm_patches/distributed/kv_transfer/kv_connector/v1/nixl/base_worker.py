@@ -6,7 +6,7 @@ NIXL producer (prefill) release path (vllm-project/vllm#43509): F2 releases
 parallel-sampling siblings together (``BestOfSiblings``), F3 stages notifications
 that race registration (``EarlyPullNotifications``), F8 holds a prompt under a READ.
 F17 (v0.22 - v0.30) lets the lease expiry release every lease that ran out, also
-behind one renewed or held (vllm-project/vllm#58222, fixed in v0.31). F23 (v0.22 -
+behind one renewed or held (vllm-project/vllm#58222, fixed in v0.31). F23 (v0.18 -
 v0.29) reports a failed READ's request after its other READs (PR 56104, in v0.30).
 """
 
@@ -236,10 +236,13 @@ class NixlBaseConnectorWorker:
 
 
 @amend("F23", ">=0.24.0")
-@amend("F23", ">=0.22.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+@amend("F23", ">=0.20.0,<0.24.0", into="worker.py", name="NixlConnectorWorker")
+@amend(
+    "F23", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorWorker"
+)
 class NixlBaseConnectorWorker:
     """F23: a request with a failed READ is reported only once none of its READs is
-    in flight (v0.22 - v0.29; upstream from v0.30, PR 56104)."""
+    in flight (v0.18 - v0.29; upstream from v0.30, PR 56104)."""
 
     @cached_property
     def _failed_with_reads_in_flight(self) -> set[ReqId]:
@@ -257,11 +260,18 @@ class NixlBaseConnectorWorker:
         # "assert meta is not None".
         held = self._failed_with_reads_in_flight
         failed = self._failed_recv_reqs
-        while not failed.empty():
-            held.add(failed.get_nowait())
-        for req_id in [r for r in held if r not in self._recving_transfers]:
-            held.discard(req_id)
-            failed.put(req_id)
+        # A set up to v0.21, a queue.Queue after; handshake callbacks add to it from
+        # other threads, so it is drained one atomic take at a time.
+        in_a_set = isinstance(failed, set)
+        while failed if in_a_set else not failed.empty():
+            held.add(failed.pop() if in_a_set else failed.get_nowait())
+        ended = [req_id for req_id in held if req_id not in self._recving_transfers]
+        held.difference_update(ended)
+        for req_id in ended:
+            if in_a_set:
+                failed.add(req_id)
+            else:
+                failed.put(req_id)
         return done_recving
 
 
