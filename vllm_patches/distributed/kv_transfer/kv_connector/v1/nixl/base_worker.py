@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
 from functools import cached_property
+from typing import Any
 
 from vllm import envs
 
@@ -259,9 +260,9 @@ class NixlBaseConnectorWorker:
         # writes, and the READ's own completion then ends the worker on get_finished's
         # "assert meta is not None".
         held = self._failed_with_reads_in_flight
-        failed = self._failed_recv_reqs
         # A set up to v0.21, a queue.Queue after; handshake callbacks add to it from
         # other threads, so it is drained one atomic take at a time.
+        failed: Any = self._failed_recv_reqs
         in_a_set = isinstance(failed, set)
         while failed if in_a_set else not failed.empty():
             held.add(failed.pop() if in_a_set else failed.get_nowait())
