@@ -81,7 +81,11 @@ def test_no_lease_runs_out_under_a_write(make_engine, monkeypatch, end):
     0 remote worker(s)", and the next prefill may take them). When the WRITE is
     reported done, or failed, the producer releases them at once."""
     clock = Clock(monkeypatch)
-    pair = WritePair(make_engine)
+    # A hold ends write_hold_limit seconds after the WRITE is first seen in flight,
+    # which the producer's writer thread may post before or after a producer step:
+    # a limit past the advance holds either way.
+    pair = WritePair(make_engine, write_hold_limit=LIMIT)
+    pair.producer_steps()
     clock.advance(LEASE + 1)
     pair.producer_steps()
     assert pair.producer.holds(pair.held), (
