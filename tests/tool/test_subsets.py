@@ -144,7 +144,9 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                                   "v0.21.0)",
                            "F22": "applicable (0007-F22-cpu-offload-store-after-compute.patch)",
                            "F23": "applicable (0008-F23-nixl-failed-read-after-its-siblings"
-                                  ".patch)"}
+                                  ".patch)",
+                           "F24": "not applicable (needed on vLLM >=0.30.0,<0.31.0, not on "
+                                  "v0.21.0)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]
     code, out, _ = run(capsys, "apply", "--fix", "F5,F3", "--check", str(checkout))
