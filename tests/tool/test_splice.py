@@ -1,5 +1,6 @@
 """The splice engine on small synthetic modules: what it replaces, adds and keeps."""
 
+import ast
 import re
 import textwrap
 from pathlib import Path
@@ -234,15 +235,8 @@ def test_filter_result_of_passes_the_parameters_its_hook_names_after_the_value(t
     result = splice(ANSWERING, overlay.select(["F1"], Version("0.21.0")), overlay)
     assert "            return self._checked((request.size - computed, True), request)\n" \
         in result
-    # A value spanning lines: each argument on lines of its own, as ruff lays them out.
-    assert (
-        "        return self._checked(\n"
-        "            (\n"
-        "                0,\n"
-        "                False,\n"
-        "            ),\n"
-        "            request,\n"
-        "        )\n") in result
+    # A value spanning lines passes through whole (its layout is ruff's: format_changes).
+    assert "return self._checked((0, False), request)" in ast.unparse(ast.parse(result))
 
 
 def test_filter_result_of_refuses_a_parameter_the_method_lacks(tmp_path):
@@ -322,12 +316,9 @@ def test_call_filters_of_two_fixes_on_one_callee_compose_in_series_order(tmp_pat
     result = splice(POLLING_TWICE, overlay.select(["F1", "F2"], Version("0.21.0")),
                     overlay)
     assert "        for agent, messages in self._seen(self.agent.poll()).items():\n" in result
-    # The later fix sees what the earlier one's filter returned; the line would be 95
-    # characters long, so it is laid out as ruff formats it.
-    assert (
-        "        for agent, messages in self._counted(\n"
-        "            self._polled(self.agent.poll_notifications())\n"
-        "        ).items():\n") in result
+    # The later fix sees what the earlier one's filter returned.
+    assert "for agent, messages in self._counted(self._polled(" \
+        "self.agent.poll_notifications())).items():" in ast.unparse(ast.parse(result))
     assert "        return self._more(found)\n" in result
 
 
@@ -700,3 +691,31 @@ def test_a_fix_tried_alone_is_judged_by_its_own_markers(pristine_v0_21_0):
     alone = _series.Series((f5,), SERIES.lanes, SERIES.covered)
     patches = _patch_writer.generate(alone, Version("0.21.0"), pristine_v0_21_0)
     assert [patch.fix.id for patch in patches] == ["F5"]
+
+
+def test_format_changes_lays_out_the_lines_a_hook_changed_and_only_those(tmp_path):
+    """A hook's call around a multi-line upstream expression, laid out by ruff; an
+    upstream line ruff would change elsewhere stays as upstream wrote it."""
+    upstream = textwrap.dedent("""\
+        sizes = [1,2]
+
+
+        class Scheduler:
+            def reserved(self):
+                return sum(
+                    self._request_remaining_blocks(req) for req in self._inflight_prefills
+                )
+        """)
+    spliced = upstream.replace("return sum(", "return self._and_own_step(sum(").replace(
+        "        )\n", "        ))\n")
+    result = _patch_writer.format_changes(tmp_path, "vllm/x.py", spliced, upstream)
+    assert result == upstream.replace("""\
+        return sum(
+            self._request_remaining_blocks(req) for req in self._inflight_prefills
+        )
+""", """\
+        return self._and_own_step(
+            sum(self._request_remaining_blocks(req) for req in self._inflight_prefills)
+        )
+""")
+    assert _patch_writer.format_changes(tmp_path, "vllm/x.py", upstream, upstream) == upstream

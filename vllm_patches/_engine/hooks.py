@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from vllm_patches._errors import SpliceError
 from vllm_patches._overlay import (
@@ -285,35 +284,6 @@ HOOK_KINDS: Mapping[str, ReturnHook | CallRewrite] = {
 # ---------------------------------------------------------------- the libcst rewrites
 
 
-class _Reindent(cst.CSTTransformer):
-    """Indents every continuation line of an expression by four more spaces."""
-
-    def leave_ParenthesizedWhitespace(self, original, updated):
-        return updated.with_changes(
-            last_line=cst.SimpleWhitespace(updated.last_line.value + "    "))
-
-
-def _one_argument_per_line(call: cst.Call) -> cst.Call:
-    """``f(<multi-line arg>)`` the way ruff formats it: the argument on lines of its own,
-    four spaces deeper, and ``)`` back at the statement's indentation; with more
-    arguments (``f(<multi-line arg>, b)``), each on its own lines, each with a comma."""
-    def line(indent: str) -> cst.ParenthesizedWhitespace:
-        return cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(indent))
-    if len(call.args) == 1:
-        (arg,) = call.args
-        return call.with_changes(
-            whitespace_before_args=line("    "),
-            args=[arg.with_changes(value=arg.value.visit(_Reindent()),
-                                   whitespace_after_arg=line(""))])
-    last = len(call.args) - 1
-    return call.with_changes(
-        whitespace_before_args=line("    "),
-        args=[arg.with_changes(
-            value=arg.value.visit(_Reindent()),
-            comma=cst.Comma(whitespace_after=line("" if i == last else "    ")))
-            for i, arg in enumerate(call.args)])
-
-
 class _OwnScopeTransformer(cst.CSTTransformer):
     """Visits one function body; ``nested`` is how deep inside a function, class or
     lambda defined in it a node is (0: the body's own code)."""
@@ -363,8 +333,6 @@ class _ReturnRewriter(_OwnScopeTransformer):
                 result = result.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
             value = cst.parse_expression(f"{self.call}(_)").with_changes(
                 args=[cst.Arg(result), *(cst.Arg(cst.Name(name)) for name in self.extra)])
-            if "\n" in cst.Module([]).code_for_node(result):
-                value = _one_argument_per_line(value)
             return updated.with_changes(body=[*updated.body[:-1], statement.with_changes(
                 value=value, whitespace_after_return=cst.SimpleWhitespace(" "))])
         if statement.value is not None:
@@ -377,15 +345,12 @@ class _ReturnRewriter(_OwnScopeTransformer):
 class _CallFilter(_OwnScopeTransformer):
     """Rewrites every call of the hooked callees in one function body (not in nested
     scopes): a redirect sends the call to its hook instead (same arguments), a filter
-    wraps it in its hook, in order, the first innermost; a wrapped call that makes its
-    line longer than ``line_length`` (when given) is laid out as ruff lays it out, the
-    argument of the outermost hook on a line of its own. A guarded callee's call stays;
+    wraps it in its hook, in order, the first innermost (the splice leaves the layout
+    to ruff: ``patch_writer.format_changes``). A guarded callee's call stays;
     the ``if`` branch it is a statement of starts with its guards (``guarded`` counts
     those calls)."""
 
-    def __init__(self, hooks: dict[str, list[tuple[str, CallRewrite]]], lines: list[str],
-                 column: int, positions: Mapping[cst.CSTNode, CodeRange],
-                 line_length: int | None, where: str) -> None:
+    def __init__(self, hooks: dict[str, list[tuple[str, CallRewrite]]], where: str) -> None:
         super().__init__()
         # callee -> (hook call, kind), in order: the call rewrites, and the guards.
         self.hooks = {callee: [(h, k) for h, k in each if not isinstance(k, GuardBranchIn)]
@@ -394,8 +359,6 @@ class _CallFilter(_OwnScopeTransformer):
                        for callee, each in hooks.items()}
         self.calls: dict[str, int] = dict.fromkeys(hooks, 0)
         self.guarded: dict[str, int] = dict.fromkeys(hooks, 0)
-        self.lines, self.column, self.positions = lines, column, positions
-        self.line_length = line_length
         self.where = where
 
     def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
@@ -426,21 +389,7 @@ class _CallFilter(_OwnScopeTransformer):
         wrapped: cst.BaseExpression = updated
         for hook_call, kind in self.hooks[callee]:
             wrapped = kind.rewrite_call(wrapped, hook_call)
-        if wrapped is not updated and self._too_long(original, callee) and not \
-                self.hooks[callee][-1][1].replaces_call:
-            assert isinstance(wrapped, cst.Call)
-            wrapped = _one_argument_per_line(wrapped)
         return wrapped
-
-    def _too_long(self, original: cst.Call, callee: str) -> bool:
-        """Whether rewriting ``original`` (on one line) makes its line too long."""
-        where = self.positions[original]
-        if self.line_length is None or where.start.line != where.end.line:
-            return False
-        added = sum(len(hook_call) - len(callee) if kind.replaces_call else len(hook_call) + 2
-                    for hook_call, kind in self.hooks[callee])
-        line = self.lines[where.start.line - 1]
-        return self.column + len(line) + added > self.line_length
 
 
 # (upstream class, method) -> the (callee, hook, kind, hook parameters) of its call
@@ -464,8 +413,8 @@ def group_call_filters(hooks: Iterable[tuple[str, tuple[str, ...], str, list[str
 
 
 def filter_calls(function: cst.FunctionDef,
-                 filters: list[tuple[str, str, CallRewrite, list[str]]], where: str,
-                 column: int = 0, line_length: int | None = None) -> cst.FunctionDef:
+                 filters: list[tuple[str, str, CallRewrite, list[str]]], where: str
+                 ) -> cst.FunctionDef:
     """``function`` with each call ``c(...)`` of a hooked callee in its body rewritten,
     for each ``(callee, hook, kind, parameters)`` of ``filters`` in order:
     ``self.<hook>(c(...))`` (``@filter_call_in``; a later filter of the same callee wraps
@@ -473,10 +422,7 @@ def filter_calls(function: cst.FunctionDef,
     (``@redirect_call_in``; a redirected callee takes no other hook); for a guard
     (``@guard_branch_in``) the call stays and the ``if`` branch it is a statement of starts
     with ``if not self.<hook>(<parameters>): continue``. The one rewrite of these kinds:
-    the splice and the runtime apply all of a method's with it, in one pass.
-
-    ``column``: where ``function``'s ``def`` starts; with ``line_length`` (the splice:
-    the text must pass ruff format), a line that the hooks make too long is split."""
+    the splice and the runtime apply all of a method's with it, in one pass."""
     hooks: dict[str, list[tuple[str, CallRewrite]]] = {}
     variables = _variables(function)
     for callee, hook, kind, parameters in filters:
@@ -489,10 +435,7 @@ def filter_calls(function: cst.FunctionDef,
                   if len(each) > 1 and any(kind.replaces_call for _, kind in each)]:
         raise SpliceError(f"{where}: {', '.join(shared)} is redirected and hooked again; "
                           "a redirected call takes no other hook")
-    alone = cst.Module(body=[function])
-    positions = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
-    rewriter = _CallFilter(hooks, alone.code.splitlines(), column, positions, line_length,
-                           where)
+    rewriter = _CallFilter(hooks, where)
     body = function.body.visit(rewriter)
     if missing := [callee for callee, calls in rewriter.calls.items() if not calls]:
         raise SpliceError(f"{where}: {function.name.value} makes no call of {', '.join(missing)}")

@@ -8,6 +8,7 @@ with a fixed identity and date, so the same overlays always give the same bytes.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import subprocess
 import sys
@@ -94,8 +95,8 @@ def spliced_sources(tree: Path, base: str, fixes: list[Fix], release: Version,
             upstream = _git.file_at(tree, base, upstream_path)
             if upstream is None:
                 raise UserError(f"v{release} has no {upstream_path} (overlay {overlay})")
-            spliced = splice(upstream, definitions, parsed)
-            done[key] = sort_imports(tree, upstream_path, spliced)
+            spliced = sort_imports(tree, upstream_path, splice(upstream, definitions, parsed))
+            done[key] = format_changes(tree, upstream_path, spliced, upstream)
         sources[upstream_path] = done[key]
     return sources
 
@@ -131,6 +132,28 @@ def sort_imports(tree: Path, upstream_path: str, source: str) -> str:
         raise UserError(f"ruff could not sort the imports of spliced {upstream_path}: "
                         + (proc.stderr or proc.stdout).strip()[-500:])
     return proc.stdout
+
+
+def format_changes(tree: Path, upstream_path: str, source: str, upstream: str) -> str:
+    """``source`` with the lines it changes in ``upstream`` formatted by ruff (``--range``,
+    under the release's config), when ruff would change any: a hook wraps an upstream
+    expression (``return f(<x>)``) whose lines ruff lays out anew. Upstream's own lines
+    keep their layout, formatted or not."""
+    if not _unformatted(tree, upstream_path, source)[0]:
+        return source
+    changes = difflib.SequenceMatcher(
+        None, upstream.splitlines(), source.splitlines(), autojunk=False).get_opcodes()
+    # From the last change up, so that formatting one leaves the lines above in place.
+    for _tag, _i1, _i2, first, end in reversed([c for c in changes if c[0] != "equal"]):
+        if end == first:
+            continue  # only lines removed
+        # Lines first+1 .. end, 1-based: from the start of the first to that of the next.
+        proc = _ruff(tree, upstream_path, source, "format", "--range", f"{first + 1}-{end + 1}")
+        if proc.returncode != 0:
+            raise UserError(f"ruff could not format spliced {upstream_path}: "
+                            + proc.stderr.strip()[-500:])
+        source = proc.stdout
+    return source
 
 
 def _unformatted(tree: Path, upstream_path: str, source: str) -> tuple[set[str], str]:

@@ -30,8 +30,6 @@ from vllm_patches._errors import SpliceError
 from vllm_patches._overlay import ADD, AMEND, HOOKS
 
 MARKERS = {AMEND, ADD}
-# ruff's default line length, which vLLM keeps: the spliced text must pass ruff format.
-LINE_LENGTH = 88
 # A partial class's own docstring describes the overlay; ``__doc__ = """..."""``
 # replaces the upstream class docstring.
 DOCSTRING_MEMBER = "__doc__"
@@ -469,8 +467,7 @@ def _hook_into(cls: cst.ClassDef, marker: tuple[str, ...], hook: cst.FunctionDef
     if isinstance(kind, CallRewrite):
         filters = call_filters.pop((cls.name.value, target), None)
         if filters is not None:
-            column = len(cls.body.indent if cls.body.indent is not None else "    ")
-            body[i] = filter_calls(node, filters, where, column, LINE_LENGTH)
+            body[i] = filter_calls(node, filters, where)
     else:
         body[i] = kind.splice(node, hook, where)
     return cls.with_changes(body=cls.body.with_changes(body=body))
