@@ -17,6 +17,7 @@ import random
 import pytest
 
 from vllm.config import SpeculativeConfig
+from vllm.utils.math_utils import cdiv
 
 from .utils import (
     create_model_runner_output,
@@ -39,7 +40,7 @@ def draw(seed: int) -> dict:
     rng = random.Random(seed)
     num_prompts = rng.randint(2, 6)
     prompt_len = rng.choice([BLOCK_SIZE, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE, 24, 31])
-    prompt_blocks = -(-prompt_len // BLOCK_SIZE)
+    prompt_blocks = cdiv(prompt_len, BLOCK_SIZE)
     return {
         "num_spec_tokens": rng.choice([1, 2, 4, 8]),
         "eagle": rng.random() < 0.5,
@@ -73,7 +74,7 @@ def stalled_at(case: dict) -> str | None:
         create_request(
             num_tokens=case["prompt_len"],
             do_remote_prefill=True,
-            num_remote_blocks=-(-case["prompt_len"] // BLOCK_SIZE),
+            num_remote_blocks=cdiv(case["prompt_len"], BLOCK_SIZE),
             max_tokens=case["max_tokens"],
             block_size=BLOCK_SIZE,
         )

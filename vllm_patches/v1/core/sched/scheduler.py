@@ -12,7 +12,7 @@ step of every load in flight and its own (PR 57104, in v0.31).
 
 from vllm.utils.math_utils import cdiv
 
-from vllm_patches._overlay import amend, filter_call_in, filter_result_of
+from vllm_patches._overlay import amend, filter_result_of
 
 
 @amend("F4", ">=0.20.0")
@@ -64,7 +64,9 @@ class Scheduler:
         # waits for the others (a deadlock).
         return blocks + self._spec_step_blocks()
 
-    @filter_call_in("schedule", "self._inflight_prefill_reserved_blocks")
+    # Its one caller is the admission of an async load in schedule(); not a hook on
+    # that call, which a plugin wrapping schedule() would refuse (CONTRIBUTING.md).
+    @filter_result_of("_inflight_prefill_reserved_blocks")
     def _and_own_spec_step(self, reserved: int) -> int:
         """The reservation an async load is admitted under: the loads in flight's,
         and its own first speculative step."""
