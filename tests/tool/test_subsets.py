@@ -146,7 +146,8 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F23": "applicable (0008-F23-nixl-failed-read-after-its-siblings"
                                   ".patch)",
                            "F24": "not applicable (needed on vLLM >=0.30.0,<0.31.0, not on "
-                                  "v0.21.0)"}
+                                  "v0.21.0)",
+                           "F25": "applicable (0009-F25-async-load-reserve-in-flight.patch)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]
     code, out, _ = run(capsys, "apply", "--fix", "F5,F3", "--check", str(checkout))
