@@ -133,8 +133,7 @@ class Scheduler:
                 request, num_new_tokens, **kwargs
             )
         # Admitted into blocks a load in flight needs after its transfer, the loads
-        # park one another, with nothing running to preempt: a deadlock (upstream
-        # issue 45388).
+        # park one another, with nothing running to preempt: a deadlock (vllm#45388).
         reserved = self._blocks_reserved_in_flight()
         if reserved and self._blocks_admitted(request, num_new_tokens, kwargs) > (
             self.kv_cache_manager.block_pool.get_num_free_blocks() - reserved
