@@ -1,6 +1,5 @@
 """The series metadata is data; these checks keep it true to the overlays and patches."""
 
-import ast
 import re
 import subprocess
 import sys
@@ -13,8 +12,7 @@ from packaging.version import Version
 from vllm_patches._catalog import patchset as _patchset
 from vllm_patches._catalog import series as _series
 from vllm_patches._catalog.patchset import PatchSet
-from vllm_patches._engine.hooks import HOOK_KINDS, CallRewrite
-from vllm_patches._engine.splice import Overlay, _hooks
+from vllm_patches._engine.splice import Overlay
 
 SERIES = _series.load()
 FIXES = SERIES.fixes
@@ -320,21 +318,3 @@ def test_an_upstream_test_a_fix_changes_is_amended_never_deselected(fix):
         for definition in parsed.definitions:
             assert f"{test}::{definition.name}" not in deselected, definition.name
 
-
-def test_no_call_hook_is_in_a_method_the_engine_lanes_probe_wraps():
-    """A call hook recompiles its method in the engine, which is refused when another
-    plugin wrapped that method first (CONTRIBUTING.md, Overlays); the real-engine lane's
-    probe is such a plugin, and no fix would be active there."""
-    probe = ast.parse((_series.REPO_DIR / "tests/e2e/engine_plugins/e2e_probe.py").read_text())
-    wrapped = {(call.args[0].id, call.args[1].value) for call in ast.walk(probe)
-               if isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-               and call.func.id == "wrap" and isinstance(call.args[0], ast.Name)
-               and isinstance(call.args[1], ast.Constant)}
-    assert ("Scheduler", "schedule") in wrapped
-    overlays = overlay_files()
-    hooked = {(cls, marker[1]) for path in overlays
-              for cls, marker, _hook, _parameters in _hooks(
-                  list(Overlay.parse(path, overlays).definitions))
-              if isinstance(HOOK_KINDS[marker[0]], CallRewrite)}
-    assert hooked, "no call hook found: the test reads the overlays wrong"
-    assert not hooked & wrapped

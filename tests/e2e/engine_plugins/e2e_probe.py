@@ -356,6 +356,12 @@ def register() -> None:
     if getattr(register, "done", False):
         return
     register.done = True  # type: ignore[attr-defined]
+    # The fixes first, whatever order vLLM loads plugins in: a call hook recompiles
+    # upstream's method, which is refused once a wrapper hides it (CONTRIBUTING.md,
+    # Overlays). Activation is once per process; vLLM's own call adds nothing.
+    from vllm_patches._engine.runtime import register as activate_fixes
+
+    activate_fixes()
     _probe_scheduler()
     if os.environ.get("VLLM_PATCHES_E2E_PROBE_NIXL") == "1":
         _probe_nixl()

@@ -8,11 +8,20 @@ F20: so does a finished request whose blocks the connector still holds, until a
 step's report frees them.
 F24 (v0.30): an async KV load is admitted only with room for the first speculative
 step of every load in flight and its own (PR 57104, in v0.31).
+F25 (v0.18 - v0.22): an async KV load is admitted only into blocks that the loads and
+prefills in flight do not still need (PR 44560, in v0.23).
 """
 
-from vllm.utils.math_utils import cdiv
+from typing import TYPE_CHECKING, Any
 
-from vllm_patches._overlay import amend, filter_result_of
+from vllm.utils.math_utils import cdiv
+from vllm.v1.request import RequestStatus
+
+from vllm_patches._overlay import amend, filter_result_of, redirect_call_in
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
 
 
 @amend("F4", ">=0.20.0")
@@ -71,3 +80,91 @@ class Scheduler:
         """The reservation an async load is admitted under: the loads in flight's,
         and its own first speculative step."""
         return reserved + self._spec_step_blocks()
+
+
+@amend("F25", ">=0.18.0")
+class Scheduler:
+    """F25: an async KV load never takes the blocks that the loads and prefills in
+    flight still need to finish (v0.18 - v0.22; upstream from v0.23, PR 44560)."""
+
+    # The requests admitted as async loads, until they leave the waiting states.
+    _async_loads: "frozenset[Request]" = frozenset()
+
+    def _blocks_to_finish(self, request: "Request") -> int:
+        """Blocks ``request`` must still allocate to hold its whole sequence."""
+        num_tokens = min(request.num_tokens, self.max_model_len)
+        return self.kv_cache_manager.coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id,
+            num_tokens=num_tokens,
+            new_computed_blocks=self.kv_cache_manager.empty_kv_cache_blocks.blocks,
+            num_encoder_tokens=0,
+            total_computed_tokens=request.num_computed_tokens,
+            num_tokens_main_model=num_tokens,
+        )
+
+    def _blocks_reserved_in_flight(self) -> int:
+        """What the async loads (loading, or loaded and not yet scheduled) and the
+        running prefills still need: blocks no new async load may take."""
+        # A load admitted in this step is in none of the scheduler's queues yet.
+        self._async_loads = frozenset(
+            request
+            for request in self._async_loads
+            if request.status
+            in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING)
+        )
+        prefills = [
+            request
+            for request in self.running
+            if request.num_computed_tokens < request.num_prompt_tokens
+        ]
+        return sum(
+            self._blocks_to_finish(request)
+            for request in (*self._async_loads, *prefills)
+        )
+
+    @redirect_call_in("schedule", "self.kv_cache_manager.allocate_slots")
+    def _allocate_slots_beside_in_flight(
+        self, request: "Request", num_new_tokens: int, **kwargs: Any
+    ) -> "KVCacheBlocks | None":
+        """KVCacheManager.allocate_slots; None for an async load whose blocks would
+        leave fewer free than those in flight still need."""
+        if not kwargs.get("delay_cache_blocks"):  # set for an async load only
+            return self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, **kwargs
+            )
+        # Admitted into blocks a load in flight needs after its transfer, the loads
+        # park one another, with nothing running to preempt: a deadlock (vllm#45388).
+        reserved = self._blocks_reserved_in_flight()
+        if reserved and self._blocks_admitted(request, num_new_tokens, kwargs) > (
+            self.kv_cache_manager.block_pool.get_num_free_blocks() - reserved
+        ):
+            return None
+        blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, **kwargs)
+        if blocks is not None:
+            self._async_loads |= {request}
+        return blocks
+
+    def _blocks_admitted(
+        self, request: "Request", num_new_tokens: int, allocation: dict[str, Any]
+    ) -> int:
+        """The blocks allocate_slots takes for ``request`` with these arguments."""
+        computed = min(
+            request.num_computed_tokens
+            + allocation.get("num_new_computed_tokens", 0)
+            + allocation.get("num_external_computed_tokens", 0),
+            self.max_model_len,
+        )
+        new_computed = allocation.get("new_computed_blocks")
+        if new_computed is None:
+            new_computed = self.kv_cache_manager.empty_kv_cache_blocks
+        return self.kv_cache_manager.coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id,
+            num_tokens=min(
+                computed + num_new_tokens + allocation.get("num_lookahead_tokens", 0),
+                self.max_model_len,
+            ),
+            new_computed_blocks=new_computed.blocks,
+            num_encoder_tokens=allocation.get("num_encoder_tokens", 0),
+            total_computed_tokens=computed,
+            num_tokens_main_model=computed + num_new_tokens,
+        )
