@@ -317,4 +317,3 @@ def test_an_upstream_test_a_fix_changes_is_amended_never_deselected(fix):
         assert parsed.definitions and parsed.fixes() == {fix.id}, test
         for definition in parsed.definitions:
             assert f"{test}::{definition.name}" not in deselected, definition.name
-

@@ -693,9 +693,13 @@ def test_a_fix_tried_alone_is_judged_by_its_own_markers(pristine_v0_21_0):
     assert [patch.fix.id for patch in patches] == ["F5"]
 
 
+ADDED = "sizes = [1,2]\n\n\ndef added(x):\n    return [x,1]\n"
+
+
 def test_format_changes_lays_out_the_lines_a_hook_changed_and_only_those(tmp_path):
     """A hook's call around a multi-line upstream expression, laid out by ruff; an
-    upstream line ruff would change elsewhere stays as upstream wrote it."""
+    upstream line ruff would change elsewhere, and an added one (check_formatted's),
+    stay as written."""
     upstream = textwrap.dedent("""\
         sizes = [1,2]
 
@@ -707,7 +711,7 @@ def test_format_changes_lays_out_the_lines_a_hook_changed_and_only_those(tmp_pat
                 )
         """)
     spliced = upstream.replace("return sum(", "return self._and_own_step(sum(").replace(
-        "        )\n", "        ))\n")
+        "        )\n", "        ))\n").replace("sizes = [1,2]\n", ADDED)
     result = _patch_writer.format_changes(tmp_path, "vllm/x.py", spliced, upstream)
     assert result == upstream.replace("""\
         return sum(
@@ -717,5 +721,5 @@ def test_format_changes_lays_out_the_lines_a_hook_changed_and_only_those(tmp_pat
         return self._and_own_step(
             sum(self._request_remaining_blocks(req) for req in self._inflight_prefills)
         )
-""")
+""").replace("sizes = [1,2]\n", ADDED), "an added line is not"
     assert _patch_writer.format_changes(tmp_path, "vllm/x.py", upstream, upstream) == upstream

@@ -135,18 +135,17 @@ def sort_imports(tree: Path, upstream_path: str, source: str) -> str:
 
 
 def format_changes(tree: Path, upstream_path: str, source: str, upstream: str) -> str:
-    """``source`` with the lines it changes in ``upstream`` formatted by ruff (``--range``,
+    """``source`` with the upstream lines it rewrites formatted by ruff (``--range``,
     under the release's config), when ruff would change any: a hook wraps an upstream
-    expression (``return f(<x>)``) whose lines ruff lays out anew. Upstream's own lines
-    keep their layout, formatted or not."""
+    expression (``return f(<x>)``) whose lines ruff lays out anew. Upstream's other
+    lines keep their layout, formatted or not, and lines an overlay adds are left as
+    written (``check_formatted`` holds them to ruff's format)."""
     if not _unformatted(tree, upstream_path, source)[0]:
         return source
     changes = difflib.SequenceMatcher(
         None, upstream.splitlines(), source.splitlines(), autojunk=False).get_opcodes()
     # From the last change up, so that formatting one leaves the lines above in place.
-    for _tag, _i1, _i2, first, end in reversed([c for c in changes if c[0] != "equal"]):
-        if end == first:
-            continue  # only lines removed
+    for _tag, _i1, _i2, first, end in reversed([c for c in changes if c[0] == "replace"]):
         # Lines first+1 .. end, 1-based: from the start of the first to that of the next.
         proc = _ruff(tree, upstream_path, source, "format", "--range", f"{first + 1}-{end + 1}")
         if proc.returncode != 0:
