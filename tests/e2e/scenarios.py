@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis import pull_notifications
-from harness import BREAKDOWN, PROBE_ENV, block_size
+from harness import BREAKDOWN, PROBE_ENV, block_size, release
 
 # Small engines: a few sequences, short contexts, dummy weights, no tokenizer (token-id
 # prompts), eager mode, float32 (this CPU has no bfloat16 kernels).
@@ -279,6 +279,19 @@ def decoder_tp_args(tp: int) -> dict[str, Any]:
         return {}
     return {"tensor_parallel_size": tp,
             "probe_env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}}
+
+
+def fixes_without(fix_id: str) -> str:
+    """Every fix id of the series but ``fix_id`` and the fixes built on it on the lane's
+    release, as ``fixes_env`` takes them (the plugin refuses a fix set that lacks a fix
+    one of its fixes requires, and the engine then runs stock)."""
+    from packaging.version import Version
+
+    from vllm_patches._catalog import series as _series
+
+    series, here = _series.load(), Version(release())
+    return ",".join(fix.id for fix in series.fixes
+                    if fix_id not in {f.id for f in series.with_requirements(fix, here)})
 
 
 def fixes_env(fixes: str | None) -> dict[str, str]:

@@ -66,9 +66,9 @@ from harness import (
     pair_runs,
     probe_events,
     quiet_roles,
-    release,
     run_scenario,
 )
+from scenarios import fixes_without
 
 pytestmark = pytest.mark.engine
 
@@ -96,17 +96,7 @@ COMBINATIONS = {
 
 def combination_fixes(name: str) -> dict[str, str]:
     """Each engine's fix set of combination ``name``, as ``scenarios.fixes_env`` takes it."""
-    from packaging.version import Version
-
-    from vllm_patches._catalog import series as _series
-
-    # Not F5, nor a fix built on it (F12): the plugin refuses a fix set without a fix one
-    # of its fixes requires, and the engine runs stock.
-    series = _series.load()
-    here = Version(release())
-    every_but_f5 = ",".join(fix.id for fix in series.fixes
-                            if "F5" not in {f.id for f in series.with_requirements(fix, here)})
-    return {role: every_but_f5 if fixes == "but F5" else fixes
+    return {role: fixes_without("F5") if fixes == "but F5" else fixes
             for role, fixes in COMBINATIONS[name].items()}
 
 
