@@ -11,6 +11,7 @@ breaks some of them).
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -26,6 +27,7 @@ from push import DECODER_METRICS, PRODUCER_SIDE_PORT, legs, push_config, sample
 from scenarios import (
     Breakdown,
     decoder_tp_args,
+    fixes_without,
     log_lines,
     nixl_server,
     poke,
@@ -36,7 +38,10 @@ from scenarios import (
 DECODER_SEQS = (2, 4, 8)
 LEASES = (12, 20, 30)
 FAULTS = ("none", "abort", "stall")
-KILLED_ROLES = ("decoder", "producer")
+ROLES = ("decoder", "producer")
+# What an engine not yet upgraded runs: stock, or every fix but F5 (and those built on
+# it), as an engine of an earlier series would.
+BEHIND = ("none", "but F5")
 # A client call with no answer after this long is hung (a drawn run's longest call, n = 8
 # children in waves of 2 with 96 tokens each, takes well under a minute here).
 CLIENT_LIMIT_S = 150
@@ -93,13 +98,18 @@ def draw(seed: int) -> dict[str, Any]:
     # seeds drawn before kills were added keep every other dimension.
     if fault == "none" and rng.random() < 1 / 3:
         params["fault"] = {"kind": "kill", "prompt": rng.randrange(len(prompts)),
-                           "role": rng.choice(KILLED_ROLES),
+                           "role": rng.choice(ROLES),
                            "after_s": round(rng.uniform(0.3, 4.0), 1)}
     # A third of the draws start with every decoder seat busy until past the lease (a
     # local request whose client leaves then): the drawn children wait for seats while
     # their prompts' leases run, whatever the machine's speed. Drawn last, as the kill.
     params["busy_s"] = (params["lease"] + round(rng.uniform(2, 8), 1)
                         if rng.random() < 1 / 3 else None)
+    # A quarter of the draws run an upgrade in progress (operators upgrade prefill and
+    # decode fleets one at a time): one engine on every fix, the other behind. Drawn last.
+    params["fix_sets"] = {"producer": "all", "decoder": "all"}
+    if rng.random() < 1 / 4:
+        params["fix_sets"][rng.choice(ROLES)] = rng.choice(BEHIND)
     return params
 
 
@@ -109,21 +119,39 @@ def connector_name(params: dict[str, Any]) -> str:
     return "NixlConnector" if params["mode"] == "pull" else "NixlPushConnector"
 
 
+def fix_sets(params: dict[str, Any]) -> dict[str, str]:
+    """Each engine's fixes in this run: "all" (every fix the release needs), "none", or
+    fix ids; the drawn ones in a fixed run, none in a stock run (the harness's mode)."""
+    if os.environ.get("VLLM_PATCHES_DISABLE") != "0":
+        return {role: "none" for role in ROLES}
+    return {role: fixes_without("F5") if fix_set == "but F5" else fix_set
+            for role, fix_set in params["fix_sets"].items()}
+
+
+def runs(fix_set: str, *fix_ids: str) -> bool:
+    """Whether an engine on ``fix_set`` (``fix_sets``) runs every fix of ``fix_ids``."""
+    return fix_set == "all" or (fix_set != "none"
+                                and set(fix_ids) <= set(fix_set.split(",")))
+
+
 class DrawnPair:
     """The producer (TP 1) and the decoder the draw asks for, KV transfer config of its
-    mode, connector and lease."""
+    mode, connector and lease, each engine on its fix set (``fix_sets``)."""
 
     def __init__(self, run_dir: Path, params: dict[str, Any]) -> None:
         connector, lease = connector_name(params), params["lease"]
+        fixes = {role: None if fix_set == "all" else fix_set
+                 for role, fix_set in fix_sets(params).items()}
         transfer = {role: push_config(role, params["connector"], lease)
                     if params["mode"] == "push" else None for role in ("producer", "decoder")}
         self.producer = nixl_server("producer", run_dir, 8100, PRODUCER_SIDE_PORT, core=0,
                                     connector=connector, lease=lease,
-                                    kv_transfer=transfer["producer"])
+                                    kv_transfer=transfer["producer"],
+                                    fixes=fixes["producer"])
         self.decoder = nixl_server("decoder", run_dir, 8200, PRODUCER_SIDE_PORT + 1, core=1,
                                    connector=connector, lease=lease,
                                    kv_transfer=transfer["decoder"],
-                                   max_num_seqs=params["decoder_seqs"],
+                                   fixes=fixes["decoder"], max_num_seqs=params["decoder_seqs"],
                                    **decoder_tp_args(params["decoder_tp"]))
         self.ready = {"producer_s": round(self.producer.wait_ready(), 1),
                       "decoder_s": round(self.decoder.wait_ready(), 1)}
@@ -265,7 +293,8 @@ def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
     pair = DrawnPair(run_dir, params)
     prompts = [tokens_of(spec["full_blocks"], spec["tail"], 2_000 + 4_000 * i)
                for i, spec in enumerate(params["prompts"])]
-    record: dict[str, Any] = {"params": params, "ready": pair.ready,
+    record: dict[str, Any] = {"params": params, "fix_sets": fix_sets(params),
+                              "ready": pair.ready,
                               "block_size": block_size(), "client_limit_s": CLIENT_LIMIT_S,
                               "prompt_digests": [prompt_digest(p) for p in prompts]}
     try:
@@ -310,23 +339,69 @@ def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def violations(record: dict[str, Any]) -> list[str]:
-    """What the run in ``record`` broke of: no invalid-KV line; no prompt released by lease
-    unless its decode leg came late, a stall froze the decoder (then no READ of it after
-    the stall: F7) or its calls ended with a kill; KV usage 0 a lease after on every engine
-    left running; no call hung; each child holds the prompt KV."""
+    """What the run in ``record`` broke of what its engines' fix sets promise.
+
+    Every fix set: no call hung; the producer failed no step; the KV usage of every
+    engine left running 0 a lease after the last call; no child holds other prompt KV
+    than the producer's unless an invalid-KV line names its prompt (TP 1). Every fix on
+    both engines: no invalid-KV line. A pull producer with F2 and F8 frees a prompt under
+    a READ only by lease. No prompt released by lease unless its decode leg came late, a
+    stall froze the decoder within its lease (then, pull, no READ of it after the stall:
+    F7) or its calls ended with a kill: every fix on both engines, or a pull decoder with
+    F6 (heartbeats are upstream's), where a producer without F2 may still let the
+    siblings no child reads expire (F2's bug)."""
     params, found = record["params"], []
+    fixes = record["fix_sets"]
+    both = all(fix_set == "all" for fix_set in fixes.values())
+    pull = params["mode"] == "pull"
     run_dir = Path(record["run_dir"])
     producer_events = probe_events(run_dir, "producer.probe.jsonl")
     decoder_events = probe_events(run_dir, "decoder.probe.jsonl")
-    for role in ("producer", "decoder"):
-        for line in record[f"{role}_lines"][INVALID]:
-            found.append(f"invalid-KV line ({role}): {line.strip()[-200:]}")
     expired = record["producer_lines"][EXPIRED]
+    invalid = record["producer_lines"][INVALID] + record["decoder_lines"][INVALID]
+    if both:
+        found += [f"invalid-KV line: {line.strip()[-200:]}" for line in invalid]
+    elif pull and runs(fixes["producer"], "F2", "F8"):
+        found += [f"invalid-KV line for a prompt not released by lease: {line.strip()[-200:]}"
+                  for line in invalid if not any(_names(flow, line) and _names(flow, *expired)
+                                                 for flow in record["flows"])]
+    if both or (pull and runs(fixes["decoder"], "F6", "F7")):
+        read_only = not both and not runs(fixes["producer"], "F2")
+        found += _released_by_lease(record, expired, decoder_events, read_only)
+    found += [f"the producer failed a step: {error}" for error in record["step_errors"]]
+    for role, state in record["final"].items():
+        if state["kv_cache_usage_perc"] != 0:
+            found.append(f"{role} KV usage {state['kv_cache_usage_perc']} a lease after "
+                         f"the last call")
+    for flow in record["flows"]:
+        for leg in ("prefill", "decode"):
+            if flow.get(leg, {}).get("hung"):
+                found.append(f"prompt {flow['index']}: its {leg} call hung "
+                             f"(no answer in {record['client_limit_s']} s)")
+    if params["decoder_tp"] == 1:
+        warned = {flow["index"] for flow in record["flows"] if _names(flow, *invalid)}
+        found += _kv_problems(record, producer_events, decoder_events, warned)
+    return found
+
+
+def _names(flow: dict[str, Any], *lines: str) -> bool:
+    """Whether one of ``lines`` names ``flow``'s prompt (its request or a sibling's)."""
+    return any(flow["key"] in line for line in lines)
+
+
+def _released_by_lease(record: dict[str, Any], expired: list[str],
+                       decoder_events: list[dict[str, Any]], read_only: bool) -> list[str]:
+    """Prompts released by lease although their decode leg came in time, no stall froze
+    the decoder (or, pull, it READ nothing of them after the stall) and no kill ended
+    their calls; and releases that name no drawn prompt. ``read_only``: only releases of
+    the sibling the children read (pull) count."""
+    params, found = record["params"], []
     stalls = [(s["t"], e["t"]) for s in decoder_events if s["event"] == "stall"
               for e in decoder_events if e["event"] == "stalled" and e["req"] == s["req"]]
     for flow in record["flows"]:
         key = flow["key"]
-        lines = [line for line in expired if key in line]
+        lines = [line for line in expired if key in line and not (
+            read_only and flow.get("remote_request_id", key) not in line)]
         if not lines:
             continue
         late = flow["t_decode_start"] > flow["t_prefilled"] + params["lease"] - LATE_MARGIN_S
@@ -343,30 +418,17 @@ def violations(record: dict[str, Any]) -> list[str]:
             found.append(f"prompt {flow['index']} ({key}) released by lease during a stall "
                          f"and READ after it ({len(reads)} READs)")
     # Expired lines of prompts no flow names (the warm-up, or an id the keys miss).
-    known = [line for line in expired if any(flow["key"] in line for flow in record["flows"])]
-    for line in expired:
-        if line not in known:
-            found.append(f"a prompt released by lease that no drawn prompt names: {line[-160:]}")
-    found += [f"the producer failed a step: {error}" for error in record["step_errors"]]
-    for role, state in record["final"].items():
-        if state["kv_cache_usage_perc"] != 0:
-            found.append(f"{role} KV usage {state['kv_cache_usage_perc']} a lease after "
-                         f"the last call")
-    for flow in record["flows"]:
-        for leg in ("prefill", "decode"):
-            if flow.get(leg, {}).get("hung"):
-                found.append(f"prompt {flow['index']}: its {leg} call hung "
-                             f"(no answer in {record['client_limit_s']} s)")
-    if params["decoder_tp"] == 1:
-        found += _kv_problems(record, producer_events, decoder_events)
+    found += [f"a prompt released by lease that no drawn prompt names: {line[-160:]}"
+              for line in expired if not any(_names(flow, line) for flow in record["flows"])]
     return found
 
 
 def _kv_problems(record: dict[str, Any], producer_events: list[dict[str, Any]],
-                 decoder_events: list[dict[str, Any]]) -> list[str]:
+                 decoder_events: list[dict[str, Any]], warned: set[int]) -> list[str]:
     """``analysis.prompt_kv_problems`` for every prompt whose decode leg was served whole
     (its n choices) with KV the producer sent: not a stalled prompt the decoder computed
-    itself (no READ or WRITE of it), nor one whose call ended with a kill."""
+    itself (no READ or WRITE of it), nor one whose call ended with a kill, nor one an
+    invalid-KV line warned of (index in ``warned``)."""
     params = record["params"]
     advertised = {}
     for event in producer_events:
@@ -380,6 +442,8 @@ def _kv_problems(record: dict[str, Any], producer_events: list[dict[str, Any]],
         if params["fault"]["kind"] == "stall" and params["fault"]["prompt"] == flow["index"]:
             continue
         if flow["t_end"] >= record.get("killed", {}).get("t", float("inf")):
+            continue
+        if flow["index"] in warned:
             continue
         digest = record["prompt_digests"][flow["index"]]
         remote = flow.get("remote_request_id") or advertised.get(digest, f"(none: {digest})")
