@@ -7,7 +7,8 @@ connector and ``MultiConnector``; 1 and 3 prompts, n = 1 and 8, with and without
 last block; decoder seats 2, 4 and 8; leases 12, 20 and 30 s; sequential and concurrent
 arrival, decode legs in prefill order and reversed; decoder TP 1 and 2; no fault, a
 client abort and a decoder stall (kills, drawn since, are searched, not in CI); decoder
-seats held past the lease or not. ``tools/scenario_search.py`` runs any other seed, stock or fixed.
+seats held past the lease or not; every fix on both engines, and an upgrade in progress
+with either engine behind (stock, or every fix but F5). ``tools/scenario_search.py`` runs any other seed, stock or fixed.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ pytestmark = pytest.mark.engine
 # 241: pull, MultiConnector, n 2 and 3, full blocks only, 8 seats, lease 20, concurrent,
 # a decoder stall past the lease (it found F7's gaps: docs/real-engine-lane.md,
 # "Generated pairs");
-# 133: push, MultiConnector, n 6 and 1, 4 seats held 14.9 s, lease 12, a client abort
-# (stock breaks 3 invariants; the only CI run of push through MultiConnector).
+# 133: push, MultiConnector, n 6 and 1, 4 seats held 14.9 s, lease 12, a client abort,
+# the producer behind on every fix but F5 and F12 (stock breaks 3 invariants; the only
+# CI run of push through MultiConnector);
+# 102: pull, n 3, 1 and 3, 2 seats, lease 12, a client abort, a stock producer (its
+# unread siblings expire: F2's bug; the F6 and F7 decoder keeps the rest).
 # 94 (pull, MultiConnector, TP 2, no fault) ran until 2026-11-29 and was cut for CI's
 # budget: the TP-2 pair (test_hetero_tp_pair.py) and seed 241 cover what it drew.
-CI_SEEDS = [219, 241, 133]
+CI_SEEDS = [219, 241, 133, 102]
 
 
 @pytest.mark.parametrize("seed", CI_SEEDS)
