@@ -9,6 +9,7 @@ with a fixed identity and date, so the same overlays always give the same bytes.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.util
 import subprocess
 import sys
@@ -109,12 +110,18 @@ def require_ruff() -> None:
                         "clone, python3 -m venv .venv && .venv/bin/pip install -e '.[dev]'")
 
 
+# Regen asks the same of ruff again and again: upstream's own module for every fix that
+# changes it, and a spliced file format_changes found formatted when check_formatted
+# checks it. A tree is the pristine cache (only ``fetch`` changes it), so the answer
+# holds for the run.
+@functools.lru_cache(maxsize=64)
 def _ruff(tree: Path, upstream_path: str, source: str, *args: str) -> subprocess.CompletedProcess:
     """Run ruff on ``source`` as if it were ``tree``'s file ``upstream_path`` (its config)."""
     require_ruff()
     return subprocess.run(
         # --no-cache: never write .ruff_cache into the tree (the tool's pristine cache).
         [sys.executable, "-m", "ruff", *args, "--no-cache", "--stdin-filename", upstream_path, "-"],
+        check=False,  # the callers read the exit code
         cwd=tree,
         input=source,
         capture_output=True,
