@@ -157,6 +157,7 @@ class DrawnPair:
                       "decoder_s": round(self.decoder.wait_ready(), 1)}
         # The drawn kill, once done: the role killed and when.
         self.killed: dict[str, Any] = {}
+        self._kill_timer: threading.Timer | None = None
 
     def alive(self) -> dict[str, Any]:
         """The engines still running, by role."""
@@ -164,15 +165,21 @@ class DrawnPair:
                                                    ("decoder", self.decoder))
                 if role != self.killed.get("role")}
 
-    def kill_later(self, params: dict[str, Any], index: int) -> threading.Timer | None:
+    def kill_later(self, params: dict[str, Any], index: int) -> None:
         """Start the drawn kill's timer when prompt ``index`` is the one it names."""
         fault = params["fault"]
         if fault["kind"] != "kill" or fault["prompt"] != index:
-            return None
-        timer = threading.Timer(fault["after_s"], self._kill, (fault["role"],))
-        timer.daemon = True
-        timer.start()
-        return timer
+            return
+        self._kill_timer = threading.Timer(fault["after_s"], self._kill, (fault["role"],))
+        self._kill_timer.daemon = True
+        self._kill_timer.start()
+
+    def wait_for_kill(self) -> None:
+        """Return once the drawn kill is done. A decode leg may end before its kill's
+        time (a fast machine, a short leg): the kill still comes, and what follows the
+        traffic (settling, the engines' last samples) must see the engines it left."""
+        if self._kill_timer is not None:
+            self._kill_timer.join()
 
     def _kill(self, role: str) -> None:
         self.killed.update(role=role, t=time.monotonic())
@@ -282,7 +289,8 @@ def _keep_stepping(pair: DrawnPair, running: threading.Event, errors: list[str])
         try:
             poke(pair.producer)
         except (Breakdown, RuntimeError) as error:  # recorded: ``violations`` reports it
-            errors.append(f"{type(error).__name__}: {error}"[:200])
+            if "producer" in pair.alive():  # not a poke the drawn kill cut short
+                errors.append(f"{type(error).__name__}: {error}"[:200])
         time.sleep(PRODUCER_STEP_S)
 
 
@@ -314,6 +322,7 @@ def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
             busy = _hold_seats(pair, params)
             record["flows"] = _traffic(pair, params, prompts)
             record["busy"] = busy and busy.result()
+            pair.wait_for_kill()
         finally:
             running.clear()
             stepper.join()
