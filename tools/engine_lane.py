@@ -84,11 +84,12 @@ ENGINE_SETTINGS = {
         "tests/e2e/test_f1_cross_group.py", "tests/e2e/test_f3_early_notification.py")),
     # The last release of the old lease reaper (base_worker.py stops at the first live
     # lease; F17) and the only one whose push producer never reports a WRITE done (F18):
-    # both bugs in a pull and a push pair, stock against fixed. Its other fixes are those
-    # of the newest layout, proven on v0.32.0 (below).
+    # both bugs in a pull and a push pair, stock against fixed; and one generated seed.
+    # Its other fixes are those of the newest layout, proven on v0.32.0 (below).
     Version("0.30.0"): EngineSettings(block_size=32, excluded=("torchcodec",),
                                       tests=("tests/e2e/test_lease_reaper_pair.py",
-                                             "tests/e2e/test_push_done_pair.py"),
+                                             "tests/e2e/test_push_done_pair.py",
+                                             "tests/e2e/test_generated_pairs.py"),
                                       quiet_roles=("API server",)),
     # The newest NIXL layout (pull_worker.py + base_worker.py, release by lease): the
     # pair (through MultiConnector in the generated seeds), the load scenario and the
