@@ -78,6 +78,11 @@ that class, so a fix adds a step without replacing (and copying) a long method:
 Hooks of several fixes on one method compose in series order, the later fix's
 outside.
 
+The call hooks also take a call pattern, ``"c(k=...)"``: only the calls of ``c`` that
+pass keyword ``k`` (F25 redirects the scheduler's allocation that admits a waiting
+request, which passes ``delay_cache_blocks``, and leaves the running requests' own,
+one each every step, as they are).
+
 A later fix that replaces ``m`` whole keeps the hook call in its own text.
 
 Module-level imports of the overlay are the imports its definitions need; the

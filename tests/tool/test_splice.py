@@ -353,6 +353,64 @@ def test_redirect_call_in_sends_each_call_to_the_hook_with_its_arguments(tmp_pat
         "found | self._poll_later(1) | {self._poll2()}")), "nested scopes are left alone"
 
 
+ALLOCATING = textwrap.dedent('''\
+    class Scheduler:
+        def schedule(self):
+            for request in self.running:
+                self.allocate(request, 1)
+            for request in self.waiting:
+                self.allocate(request, 2, delay=request.remote)
+''')
+
+
+def test_a_call_pattern_with_a_keyword_takes_only_the_calls_that_pass_it(tmp_path):
+    """``c(k=...)``: the call site that passes ``k`` goes to the hook; the others
+    (a scheduler's allocation per running request, every step) cost nothing."""
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Scheduler:
+            @redirect_call_in("schedule", "self.allocate(delay=...)")
+            def _allocate_loads(self, request, num, **kwargs):
+                return None
+        ''')
+    result = splice(ALLOCATING, overlay.select(["F1"], Version("0.21.0")), overlay)
+    assert result.startswith(ALLOCATING.replace(
+        "self.allocate(request, 2, delay", "self._allocate_loads(request, 2, delay"))
+
+
+@pytest.mark.parametrize(("pattern", "error"), [
+    ("self.allocate(lazy=...)", "schedule makes no call of self.allocate\\(lazy=...\\)"),
+    ("self.allocate(delay=True)", "a call pattern names one keyword, as c\\(k=...\\)"),
+    ("self.allocate(r, delay=...)", "a call pattern names one keyword"),
+])
+def test_a_call_pattern_refuses_what_it_cannot_match(tmp_path, pattern, error):
+    overlay = write_overlay(tmp_path, f'''
+        @amend("F1", ">=0.18")
+        class Scheduler:
+            @redirect_call_in("schedule", "{pattern}")
+            def _allocate_loads(self, request, num, **kwargs):
+                return None
+        ''')
+    with pytest.raises(SpliceError, match=error):
+        splice(ALLOCATING, overlay.select(["F1"], Version("0.21.0")), overlay)
+
+
+def test_a_call_two_patterns_match_is_not_redirected_and_hooked_again(tmp_path):
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18")
+        class Scheduler:
+            @redirect_call_in("schedule", "self.allocate(delay=...)")
+            def _allocate_loads(self, request, num, **kwargs):
+                return None
+
+            @filter_call_in("schedule", "self.allocate")
+            def _allocated(self, blocks):
+                return blocks
+        ''')
+    with pytest.raises(SpliceError, match="self.allocate is redirected and hooked again"):
+        splice(ALLOCATING, overlay.select(["F1"], Version("0.21.0")), overlay)
+
+
 COUNTING = textwrap.dedent('''\
     class Worker:
         def notifs(self):
@@ -408,8 +466,9 @@ def test_guard_branch_in_asks_the_hook_first_in_the_branch_that_makes_the_call(t
 @pytest.mark.parametrize(("upstream_change", "params", "error"), [
     (("                continue\n            found", "            found"), "name",
      "the branch must end in `continue` to be guarded"),
-    (("            found.add(name)\n", "            found.add(name)\n"
-      "            logger.error(\"counted %s\", name)\n"), "name",
+    (("            found.add(name)\n", ("            found.add(name)\n"
+                                         "            logger.error(\"counted %s\", name)\n")),
+     "name",
      "notifs calls logger.error other than as a statement of an `if` branch"),
     (("found = set()", "found = set()"), "name, request", "notifs has no variable request"),
 ])

@@ -17,6 +17,7 @@ change of the upstream method is written, for both ways the fixes reach vLLM:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from abc import ABC, abstractmethod
@@ -342,53 +343,99 @@ class _ReturnRewriter(_OwnScopeTransformer):
                                     updated.with_changes(leading_lines=[])])
 
 
+@dataclasses.dataclass(frozen=True)
+class CallPattern:
+    """The calls a call hook takes, as its marker writes them: ``c`` (every call whose
+    callee is written ``c``) or ``c(k=...)`` (only those that pass keyword ``k``: a
+    hook that concerns one call site of a callee leaves the others as they are)."""
+
+    written: str
+    callee: str
+    keyword: str | None
+
+    @classmethod
+    def parse(cls, written: str, where: str) -> CallPattern:
+        try:
+            expression = cst.parse_expression(written)
+        except cst.ParserSyntaxError as exc:
+            raise SpliceError(f"{where}: {written!r} is not a callee or a call") from exc
+        if not isinstance(expression, cst.Call):
+            return cls(written, written, None)
+        keywords = [arg for arg in expression.args if arg.keyword is not None]
+        if len(expression.args) != 1 or len(keywords) != 1 or \
+                not isinstance(keywords[0].value, cst.Ellipsis):
+            raise SpliceError(f"{where}: {written!r}: a call pattern names one keyword, "
+                              "as c(k=...)")
+        assert keywords[0].keyword is not None
+        return cls(written, _code(expression.func), keywords[0].keyword.value)
+
+    def matches(self, call: cst.Call) -> bool:
+        return _code(call.func) == self.callee and (self.keyword is None or any(
+            arg.keyword is not None and arg.keyword.value == self.keyword
+            for arg in call.args))
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
 class _CallFilter(_OwnScopeTransformer):
-    """Rewrites every call of the hooked callees in one function body (not in nested
+    """Rewrites every call the hooks' patterns match in one function body (not in nested
     scopes): a redirect sends the call to its hook instead (same arguments), a filter
     wraps it in its hook, in order, the first innermost (the splice leaves the layout
-    to ruff: ``patch_writer.format_changes``). A guarded callee's call stays;
+    to ruff: ``patch_writer.format_changes``). A guarded call stays;
     the ``if`` branch it is a statement of starts with its guards (``guarded`` counts
     those calls)."""
 
-    def __init__(self, hooks: dict[str, list[tuple[str, CallRewrite]]], where: str) -> None:
+    def __init__(self, hooks: dict[CallPattern, list[tuple[str, CallRewrite]]],
+                 where: str) -> None:
         super().__init__()
-        # callee -> (hook call, kind), in order: the call rewrites, and the guards.
-        self.hooks = {callee: [(h, k) for h, k in each if not isinstance(k, GuardBranchIn)]
-                      for callee, each in hooks.items()}
-        self.guards = {callee: [(h, k) for h, k in each if isinstance(k, GuardBranchIn)]
-                       for callee, each in hooks.items()}
-        self.calls: dict[str, int] = dict.fromkeys(hooks, 0)
-        self.guarded: dict[str, int] = dict.fromkeys(hooks, 0)
+        # pattern -> (hook call, kind), in order: the call rewrites, and the guards.
+        self.hooks = {pattern: [(h, k) for h, k in each if not isinstance(k, GuardBranchIn)]
+                      for pattern, each in hooks.items()}
+        self.guards = {pattern: [(h, k) for h, k in each if isinstance(k, GuardBranchIn)]
+                       for pattern, each in hooks.items()}
+        self.calls: dict[CallPattern, int] = dict.fromkeys(hooks, 0)
+        self.guarded: dict[CallPattern, int] = dict.fromkeys(hooks, 0)
         self.where = where
+
+    def _matching(self, call: cst.Call) -> list[CallPattern]:
+        """The patterns ``call`` matches; refused where one redirects it and another
+        hooks it too (a redirected call takes no other hook)."""
+        patterns = [pattern for pattern in self.hooks if pattern.matches(call)]
+        if len(patterns) > 1 and any(kind.replaces_call for pattern in patterns
+                                     for _, kind in self.hooks[pattern]):
+            raise SpliceError(f"{self.where}: {_code(call.func)} is redirected and hooked "
+                              "again; a redirected call takes no other hook")
+        return patterns
 
     def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
         if self.nested or not isinstance(original.body, cst.IndentedBlock):
             return updated
-        guarded: dict[str, None] = {}
+        guarded: dict[CallPattern, None] = {}
         for statement in original.body.body:
             call = statement.body[0].value if isinstance(statement, cst.SimpleStatementLine) \
                 and isinstance(statement.body[0], cst.Expr) else None
-            callee = cst.Module([]).code_for_node(call.func) \
-                if isinstance(call, cst.Call) else None
-            if callee and self.guards.get(callee):
-                self.guarded[callee] += 1
-                guarded[callee] = None
-        for callee in guarded:  # once per branch, however often it calls the callee
-            for hook_call, kind in self.guards[callee]:
+            if not isinstance(call, cst.Call):
+                continue
+            for pattern in self._matching(call):
+                if self.guards[pattern]:
+                    self.guarded[pattern] += 1
+                    guarded[pattern] = None
+        for pattern in guarded:  # once per branch, however often it makes the call
+            for hook_call, kind in self.guards[pattern]:
                 assert isinstance(kind, GuardBranchIn)
                 updated = kind.guard(updated, hook_call, self.where)
         return updated
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        callee = cst.Module([]).code_for_node(original.func)
-        if self.nested or callee not in self.hooks:
-            return updated
-        self.calls[callee] += 1
-        if not self.hooks[callee]:
+        if self.nested:
             return updated
         wrapped: cst.BaseExpression = updated
-        for hook_call, kind in self.hooks[callee]:
-            wrapped = kind.rewrite_call(wrapped, hook_call)
+        for pattern in self._matching(original):
+            self.calls[pattern] += 1
+            for hook_call, kind in self.hooks[pattern]:
+                wrapped = kind.rewrite_call(wrapped, hook_call)
         return wrapped
 
 
@@ -415,32 +462,34 @@ def group_call_filters(hooks: Iterable[tuple[str, tuple[str, ...], str, list[str
 def filter_calls(function: cst.FunctionDef,
                  filters: list[tuple[str, str, CallRewrite, list[str]]], where: str
                  ) -> cst.FunctionDef:
-    """``function`` with each call ``c(...)`` of a hooked callee in its body rewritten,
-    for each ``(callee, hook, kind, parameters)`` of ``filters`` in order:
+    """``function`` with each call in its body that a hook's pattern matches rewritten
+    (``CallPattern``: ``c`` or ``c(k=...)``), for each ``(pattern, hook, kind,
+    parameters)`` of ``filters`` in order:
     ``self.<hook>(c(...))`` (``@filter_call_in``; a later filter of the same callee wraps
     the earlier: ``self.<h2>(self.<h1>(c(...)))``) or, for a redirect, ``self.<hook>(...)``
     (``@redirect_call_in``; a redirected callee takes no other hook); for a guard
     (``@guard_branch_in``) the call stays and the ``if`` branch it is a statement of starts
     with ``if not self.<hook>(<parameters>): continue``. The one rewrite of these kinds:
     the splice and the runtime apply all of a method's with it, in one pass."""
-    hooks: dict[str, list[tuple[str, CallRewrite]]] = {}
+    hooks: dict[CallPattern, list[tuple[str, CallRewrite]]] = {}
     variables = _variables(function)
-    for callee, hook, kind, parameters in filters:
+    for written, hook, kind, parameters in filters:
         if isinstance(kind, GuardBranchIn) and (
                 unknown := [name for name in parameters if name not in variables]):
             raise SpliceError(f"{where}: {function.name.value} has no variable "
                               f"{', '.join(unknown)}")
-        hooks.setdefault(callee, []).append((kind.hook_call(hook, parameters), kind))
-    if shared := [callee for callee, each in hooks.items()
+        hooks.setdefault(CallPattern.parse(written, where), []).append(
+            (kind.hook_call(hook, parameters), kind))
+    if shared := [pattern.callee for pattern, each in hooks.items()
                   if len(each) > 1 and any(kind.replaces_call for _, kind in each)]:
         raise SpliceError(f"{where}: {', '.join(shared)} is redirected and hooked again; "
                           "a redirected call takes no other hook")
     rewriter = _CallFilter(hooks, where)
     body = function.body.visit(rewriter)
-    if missing := [callee for callee, calls in rewriter.calls.items() if not calls]:
+    if missing := [p.written for p, calls in rewriter.calls.items() if not calls]:
         raise SpliceError(f"{where}: {function.name.value} makes no call of {', '.join(missing)}")
-    if unguarded := [callee for callee, each in rewriter.guards.items()
-                     if each and rewriter.guarded[callee] != rewriter.calls[callee]]:
+    if unguarded := [p.written for p, each in rewriter.guards.items()
+                     if each and rewriter.guarded[p] != rewriter.calls[p]]:
         raise SpliceError(f"{where}: {function.name.value} calls {', '.join(unguarded)} "
                           "other than as a statement of an `if` branch")
     assert isinstance(body, cst.BaseSuite)
