@@ -122,13 +122,17 @@ class Scheduler:
             for request in (*self._async_loads, *prefills)
         )
 
-    @redirect_call_in("schedule", "self.kv_cache_manager.allocate_slots")
+    # Only the admission of a waiting request passes delay_cache_blocks: the running
+    # requests' allocations, one each every step, do not come through here.
+    @redirect_call_in(
+        "schedule", "self.kv_cache_manager.allocate_slots(delay_cache_blocks=...)"
+    )
     def _allocate_slots_beside_in_flight(
         self, request: "Request", num_new_tokens: int, **kwargs: Any
     ) -> "KVCacheBlocks | None":
         """KVCacheManager.allocate_slots; None for an async load whose blocks would
         leave fewer free than those in flight still need."""
-        if not kwargs.get("delay_cache_blocks"):  # set for an async load only
+        if not kwargs["delay_cache_blocks"]:  # true for an async load only
             return self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, **kwargs
             )
