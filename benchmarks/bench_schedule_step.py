@@ -2,9 +2,9 @@
 full batch of decoding requests, patched (every fix of the release) vs stock, as a ratio
 measured in one run.
 
-F24 and F25 redirect the scheduler's ``allocate_slots`` calls, which ``schedule()`` makes
-for every running request in every step; F1 changes ``allocate_slots`` itself. The
-workload: ``--batch`` requests (64-token prompts) with a NIXL connector (as on a P/D
+``schedule()`` calls ``allocate_slots`` for every running request in every step: F1
+changes that method, and F25 redirects the call that admits a waiting request (a call
+pattern; before, every call, which cost 10 %: benchmarks/README.md). The workload: ``--batch`` requests (64-token prompts) with a NIXL connector (as on a P/D
 decoder), prefilled, then decoding one token a step; only ``schedule()`` is timed, with
 the model runner's output fed back each step. Stock and patched trees of one release
 (default v0.21.0, where F1 and F25 apply) are built like a lane (tools/lanes.py); each
