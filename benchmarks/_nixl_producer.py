@@ -94,21 +94,10 @@ def trees_from_args(args: argparse.Namespace) -> tuple[str, dict[str, Path], str
     if args.stock and args.patched:
         trees = {"stock": Path(args.stock).resolve(), "patched": Path(args.patched).resolve()}
         return sys.executable, trees, release_of(trees["stock"])
-    sys.path.insert(0, str(REPO / "tools"))
-    sys.path.insert(0, str(REPO))
-    import lanes
+    from _trees import stock_and_patched
 
-    from vllm_patches._catalog import releases as _releases
-
-    release = _releases.parse_release(args.release)
-    source = _releases.fetch(release)
-    python = lanes.ensure_venv(release, source)
-    bench_dir = lanes.BUILD / "bench" / f"v{release}"
-    trees = {"stock": lanes.fresh_clone(source, bench_dir / "stock"),
-             "patched": lanes.fresh_clone(source, bench_dir / "patched")}
-    subprocess.run([sys.executable, "-m", "vllm_patches", "apply", str(trees["patched"])],
-                   cwd=REPO, check=True, capture_output=True)
-    return str(python), trees, str(release)
+    bench = stock_and_patched(args.release)
+    return str(bench.python), bench.trees, bench.release
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
 
 STEPS = 4000
 
@@ -75,29 +74,19 @@ def main() -> int:
         print(json.dumps(measure(int(args.measure))))
         return 0
 
-    import lanes  # tools/lanes.py: the same trees and venvs the tests use
+    from _trees import stock_and_patched
 
-    from vllm_patches._catalog import releases as _releases
-
-    release = _releases.parse_release(args.release)
-    source = _releases.fetch(release)
-    python = lanes.ensure_venv(release, source)
-    bench_dir = lanes.BUILD / "bench" / f"v{release}"
-    trees = {"stock": lanes.fresh_clone(source, bench_dir / "stock"),
-             "patched": lanes.fresh_clone(source, bench_dir / "patched")}
-    subprocess.run([sys.executable, "-m", "vllm_patches", "apply", str(trees["patched"])],
-                   check=True, capture_output=True)
-    dist_root = lanes.platform_dist_info(release, bench_dir / "dist")
+    bench = stock_and_patched(args.release)
     results: dict[str, list[float]] = {"stock": [], "patched": []}
     for _ in range(args.rounds):
-        for name, tree in trees.items():
-            env = lanes.vllm_test_env(tree, dist_root)
-            out = subprocess.run([str(python), __file__, "--measure", str(STEPS)], env=env,
-                                 cwd=tree, check=True, capture_output=True, text=True).stdout
+        for name, tree in bench.trees.items():
+            out = subprocess.run([str(bench.python), __file__, "--measure", str(STEPS)],
+                                 env=bench.env(name), cwd=tree, check=True,
+                                 capture_output=True, text=True).stdout
             results[name].append(json.loads(out.splitlines()[-1])["median_ns"])
     stock = statistics.median(results["stock"])
     patched = statistics.median(results["patched"])
-    print(f"vLLM v{release}, 3 groups (full + 2 sliding window), 4-block hits + 2 external "
+    print(f"vLLM v{bench.release}, 3 groups (full + 2 sliding window), 4-block hits + 2 external "
           f"blocks, {STEPS} steps x {args.rounds} rounds")
     print(f"allocate_slots median: stock {stock / 1000:.1f} us, patched {patched / 1000:.1f} us")
     print(f"patched/stock = {patched / stock:.3f} (goal <= 1.03)")

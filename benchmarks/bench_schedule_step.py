@@ -24,10 +24,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
 
 STEPS = 1000
 PROMPT_TOKENS = 64
@@ -72,32 +68,21 @@ def main() -> int:
         print(json.dumps(measure(int(args.measure))))
         return 0
 
-    import lanes  # tools/lanes.py: the same trees and venvs the tests use
+    from _trees import stock_and_patched
 
-    from vllm_patches._catalog import releases as _releases
-
-    release = _releases.parse_release(args.release)
-    source = _releases.fetch(release)
-    python = lanes.ensure_venv(release, source)
-    bench_dir = lanes.BUILD / "bench" / f"v{release}"
-    trees = {"stock": lanes.fresh_clone(source, bench_dir / "stock"),
-             "patched": lanes.fresh_clone(source, bench_dir / "patched")}
-    subprocess.run([sys.executable, "-m", "vllm_patches", "apply", str(trees["patched"]),
-                    *(["--fix", args.fix] if args.fix else [])], check=True, capture_output=True)
-    dist_root = lanes.platform_dist_info(release, bench_dir / "dist")
+    bench = stock_and_patched(args.release, args.fix)
     results: dict[str, list[float]] = {"stock": [], "patched": []}
     for _ in range(args.rounds):
-        for name, tree in trees.items():
-            env = lanes.vllm_test_env(tree, dist_root)
-            out = subprocess.run([str(python), __file__, "--measure", str(args.batch)],
-                                 env=env, cwd=tree, check=True, capture_output=True,
-                                 text=True).stdout
+        for name, tree in bench.trees.items():
+            out = subprocess.run([str(bench.python), __file__, "--measure", str(args.batch)],
+                                 env=bench.env(name), cwd=tree, check=True,
+                                 capture_output=True, text=True).stdout
             results[name].append(json.loads(out.splitlines()[-1])["median_ns"])
     stock = statistics.median(results["stock"])
     patched = statistics.median(results["patched"])
     rounds = " ".join(f"{p / s:.3f}" for s, p in zip(results["stock"], results["patched"],
                                                       strict=True))
-    print(f"vLLM v{release}, {args.batch} requests decoding, NIXL connector, "
+    print(f"vLLM v{bench.release}, {args.batch} requests decoding, NIXL connector, "
           f"{STEPS} steps x {args.rounds} rounds, patched: {args.fix or 'every fix'}")
     print(f"schedule() median: stock {stock / 1000:.1f} us, patched {patched / 1000:.1f} us")
     print(f"patched/stock = {patched / stock:.3f} (goal <= 1.03; rounds {rounds})")
