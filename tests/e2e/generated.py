@@ -351,8 +351,9 @@ def violations(record: dict[str, Any]) -> list[str]:
     """What the run in ``record`` broke of what its engines' fix sets promise.
 
     Every fix set: no call hung; the producer failed no step; the KV usage of every
-    engine left running 0 a lease after the last call; no child holds other prompt KV
-    than the producer's unless an invalid-KV line names its prompt (TP 1). Every fix on
+    engine left running 0 a lease after the last call (in push mode, a decoder's own
+    only if it runs F9); no child holds other prompt KV than the producer's unless an
+    invalid-KV line names its prompt (TP 1). Every fix on
     both engines: no invalid-KV line. A pull producer with F2 and F8 frees a prompt under
     a READ only by lease. No prompt released by lease unless its decode leg came late, a
     stall froze the decoder within its lease (then, pull, no READ of it after the stall:
@@ -378,13 +379,16 @@ def violations(record: dict[str, Any]) -> list[str]:
         read_only = not both and not runs(fixes["producer"], "F2")
         found += _released_by_lease(record, expired, decoder_events, read_only)
     found += [f"the producer failed a step: {error}" for error in record["step_errors"]]
+    # A push decoder without F9 leaves a request whose registration is never served
+    # waiting, its blocks held, until its client leaves (F9's own bug).
+    ends = pull or runs(fixes["decoder"], "F9")
     for role, state in record["final"].items():
-        if state["kv_cache_usage_perc"] != 0:
+        if state["kv_cache_usage_perc"] != 0 and (ends or role == "producer"):
             found.append(f"{role} KV usage {state['kv_cache_usage_perc']} a lease after "
                          f"the last call")
     for flow in record["flows"]:
         for leg in ("prefill", "decode"):
-            if flow.get(leg, {}).get("hung"):
+            if flow.get(leg, {}).get("hung") and (ends or leg == "prefill"):
                 found.append(f"prompt {flow['index']}: its {leg} call hung "
                              f"(no answer in {record['client_limit_s']} s)")
     if params["decoder_tp"] == 1:

@@ -96,6 +96,20 @@ def test_kv_held_a_lease_after_breaks_every_fix_set(tmp_path: Path,
     assert found == ["producer KV usage 0.5 a lease after the last call"]
 
 
+@pytest.mark.parametrize(("mode", "fix_sets", "broken"), [
+    ("push", BOTH, True), ("pull", STOCK_DECODER, True),
+    # A push decoder without F9 leaves an unserved registration waiting (F9's bug).
+    ("push", STOCK_DECODER, False),
+])
+def test_a_decode_call_that_hung(tmp_path: Path, mode: str, fix_sets: dict[str, str],
+                                 broken: bool) -> None:
+    hung = record(tmp_path, mode, fix_sets, [], [])
+    hung["flows"][0]["decode"]["hung"] = True
+    hung["final"]["decoder"]["kv_cache_usage_perc"] = 0.5
+    found = generated.violations(hung)
+    assert bool(found) is broken, found
+
+
 def test_draws_run_every_upgrade_in_progress() -> None:
     """Of seeds 0-299, most run every fix on both engines, and each engine is drawn
     behind on each earlier fix set; the same seed draws the same pair."""
