@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,6 +27,18 @@ class BenchTrees:
         import lanes
 
         return lanes.vllm_test_env(self.trees[name], self.dist_root)
+
+    def alternate(self, script: str, argument: str, rounds: int) -> dict[str, list[float]]:
+        """``script --measure argument`` in each tree, stock and patched alternating for
+        ``rounds`` rounds (drift hits both alike): each run's ``median_ns``, by tree."""
+        results: dict[str, list[float]] = {name: [] for name in self.trees}
+        for _ in range(rounds):
+            for name, tree in self.trees.items():
+                out = subprocess.run([str(self.python), script, "--measure", argument],
+                                     env=self.env(name), cwd=tree, check=True,
+                                     capture_output=True, text=True).stdout
+                results[name].append(json.loads(out.splitlines()[-1])["median_ns"])
+        return results
 
 
 def stock_and_patched(release_name: str, fixes: str | None = None) -> BenchTrees:

@@ -18,7 +18,6 @@ import argparse
 import importlib.util
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,13 +76,7 @@ def main() -> int:
     from _trees import stock_and_patched
 
     bench = stock_and_patched(args.release)
-    results: dict[str, list[float]] = {"stock": [], "patched": []}
-    for _ in range(args.rounds):
-        for name, tree in bench.trees.items():
-            out = subprocess.run([str(bench.python), __file__, "--measure", str(STEPS)],
-                                 env=bench.env(name), cwd=tree, check=True,
-                                 capture_output=True, text=True).stdout
-            results[name].append(json.loads(out.splitlines()[-1])["median_ns"])
+    results = bench.alternate(__file__, str(STEPS), args.rounds)
     stock = statistics.median(results["stock"])
     patched = statistics.median(results["patched"])
     print(f"vLLM v{bench.release}, 3 groups (full + 2 sliding window), 4-block hits + 2 external "

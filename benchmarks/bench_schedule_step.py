@@ -4,8 +4,9 @@ measured in one run.
 
 ``schedule()`` calls ``allocate_slots`` for every running request in every step: F1
 changes that method, and F25 redirects the call that admits a waiting request (a call
-pattern; before, every call, which cost 10 %: benchmarks/README.md). The workload: ``--batch`` requests (64-token prompts) with a NIXL connector (as on a P/D
-decoder), prefilled, then decoding one token a step; only ``schedule()`` is timed, with
+pattern; before, every call, which cost 10 %: benchmarks/README.md). The workload:
+``--batch`` requests (64-token prompts) with a NIXL connector (as on a P/D decoder),
+prefilled, then decoding one token a step; only ``schedule()`` is timed, with
 the model runner's output fed back each step. Stock and patched trees of one release
 (default v0.21.0, where F1 and F25 apply) are built like a lane (tools/lanes.py); each
 measurement is a fresh subprocess of the lane's venv, stock and patched alternating.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 
@@ -71,13 +71,7 @@ def main() -> int:
     from _trees import stock_and_patched
 
     bench = stock_and_patched(args.release, args.fix)
-    results: dict[str, list[float]] = {"stock": [], "patched": []}
-    for _ in range(args.rounds):
-        for name, tree in bench.trees.items():
-            out = subprocess.run([str(bench.python), __file__, "--measure", str(args.batch)],
-                                 env=bench.env(name), cwd=tree, check=True,
-                                 capture_output=True, text=True).stdout
-            results[name].append(json.loads(out.splitlines()[-1])["median_ns"])
+    results = bench.alternate(__file__, str(args.batch), args.rounds)
     stock = statistics.median(results["stock"])
     patched = statistics.median(results["patched"])
     rounds = " ".join(f"{p / s:.3f}" for s, p in zip(results["stock"], results["patched"],
