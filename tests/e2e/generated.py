@@ -140,8 +140,9 @@ class DrawnPair:
 
     def __init__(self, run_dir: Path, params: dict[str, Any]) -> None:
         connector, lease = connector_name(params), params["lease"]
+        self.fix_sets = fix_sets(params)
         fixes = {role: None if fix_set == "all" else fix_set
-                 for role, fix_set in fix_sets(params).items()}
+                 for role, fix_set in self.fix_sets.items()}
         transfer = {role: push_config(role, params["connector"], lease)
                     if params["mode"] == "push" else None for role in ("producer", "decoder")}
         self.producer = nixl_server("producer", run_dir, 8100, PRODUCER_SIDE_PORT, core=0,
@@ -301,7 +302,7 @@ def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
     pair = DrawnPair(run_dir, params)
     prompts = [tokens_of(spec["full_blocks"], spec["tail"], 2_000 + 4_000 * i)
                for i, spec in enumerate(params["prompts"])]
-    record: dict[str, Any] = {"params": params, "fix_sets": fix_sets(params),
+    record: dict[str, Any] = {"params": params, "fix_sets": pair.fix_sets,
                               "ready": pair.ready,
                               "block_size": block_size(), "client_limit_s": CLIENT_LIMIT_S,
                               "prompt_digests": [prompt_digest(p) for p in prompts]}
@@ -353,8 +354,8 @@ def violations(record: dict[str, Any]) -> list[str]:
     Every fix set: no call hung; the producer failed no step; the KV usage of every
     engine left running 0 a lease after the last call (in push mode, a decoder's own
     only if it runs F9); no child holds other prompt KV than the producer's unless an
-    invalid-KV line names its prompt (TP 1). Every fix on
-    both engines: no invalid-KV line. A pull producer with F2 and F8 frees a prompt under
+    invalid-KV line names its prompt (TP 1). Every fix on both engines: no invalid-KV
+    line. A pull producer with F2 and F8 frees a prompt under
     a READ only by lease. No prompt released by lease unless its decode leg came late, a
     stall froze the decoder within its lease (then, pull, no READ of it after the stall:
     F7) or its calls ended with a kill: every fix on both engines, or a pull decoder with
