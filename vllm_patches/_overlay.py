@@ -76,7 +76,8 @@ that class, so a fix adds a step without replacing (and copying) a long method:
     holds, what the loop released before): a filter before or after the loop cannot.
 
 Hooks of several fixes on one method compose in series order, the later fix's
-outside.
+outside. The hooked method may be an ``async def`` (F26 filters the OpenAI serving
+calls' results); the hook stays a plain method, which sees the awaited value.
 
 The call hooks also take a call pattern, ``"c(k=...)"``: only the calls of ``c`` that
 pass keyword ``k`` (F25 redirects the scheduler's allocation that admits a waiting

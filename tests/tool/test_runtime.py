@@ -1,6 +1,7 @@
 """Runtime activation on small fake upstream packages built here (no vLLM needed)."""
 
 import ast
+import asyncio
 import dataclasses
 import dis
 import functools
@@ -280,6 +281,47 @@ def test_a_result_filter_receives_the_arguments_its_parameters_name(fake):
     assert scheduler.seen == ((6, True), "lapsed", 0), "defaults are passed too"
     assert scheduler.answer(computed=2, request="abcd") == (2, True)
     assert scheduler.seen == ((2, True), "abcd", 2), "keywords in any order"
+
+
+SERVING = '''\
+class Serving:
+    async def create(self, request):
+        if not request:
+            return "error"
+        self.created = request
+        return "response"
+'''
+
+SERVING_OVERLAY = '''\
+from vllm_patches._overlay import amend, call_at_end_of, filter_result_of
+
+
+@amend("F1", ">=0.18")
+class Serving:
+    @filter_result_of("create")
+    def _noted(self, result, request):
+        self.noted = (result, request)
+        return result.upper()
+
+    @call_at_end_of("create")
+    def _ended(self, request):
+        self.ended = request
+'''
+
+
+def test_hooks_of_a_coroutine_method_see_its_awaited_result(fake):
+    """As the spliced ``return self.<hook>(value)`` inside ``async def`` does: the hook
+    runs when the coroutine returns, on its value, and the method stays a coroutine
+    function."""
+    fake.module("core.serving", SERVING)
+    fake.overlay("core/serving.py", SERVING_OVERLAY)
+    fake.install([make_fix("F1", ["core/serving.py"])])
+    serving = fake.get("core.serving").Serving()
+    assert inspect.iscoroutinefunction(serving.create)
+    assert asyncio.run(serving.create("")) == "ERROR"
+    assert serving.noted == ("error", "")
+    assert asyncio.run(serving.create(request="r")) == "RESPONSE"
+    assert (serving.noted, serving.ended, serving.created) == (("response", "r"), "r", "r")
 
 
 POLLING = '''\

@@ -122,13 +122,11 @@ class CallAtEndOf(ReturnHook):
     def wrap(self, original, hook, parameters):
         arguments = _arguments_named(original, parameters)
 
-        @functools.wraps(original)
-        def wrapper(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
+        def after(self, result, args, kwargs):
             getattr(self, hook)(*arguments(args, kwargs))
             return result
 
-        return wrapper
+        return _returning_through(original, after)
 
 
 class FilterResultOf(ReturnHook):
@@ -166,12 +164,31 @@ class FilterResultOf(ReturnHook):
     def wrap(self, original, hook, parameters):
         arguments = _arguments_named(original, parameters[1:])
 
-        @functools.wraps(original)
-        def wrapper(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
+        def after(self, result, args, kwargs):
             return getattr(self, hook)(result, *arguments(args, kwargs))
 
-        return wrapper
+        return _returning_through(original, after)
+
+
+def _returning_through(
+    original: Callable[..., Any], after: Callable[..., Any]
+) -> Callable[..., Any]:
+    """A method that calls ``original`` and returns ``after(self, result, args,
+    kwargs)``; for a coroutine function a coroutine function, which ``after`` follows
+    once the result is awaited, as the spliced text's does."""
+    if inspect.iscoroutinefunction(original):
+
+        @functools.wraps(original)
+        async def awaiting(self, *args, **kwargs):
+            return after(self, await original(self, *args, **kwargs), args, kwargs)
+
+        return awaiting
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        return after(self, original(self, *args, **kwargs), args, kwargs)
+
+    return wrapper
 
 
 def _arguments_named(
