@@ -147,7 +147,8 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                                   ".patch)",
                            "F24": "not applicable (needed on vLLM >=0.30.0,<0.31.0, not on "
                                   "v0.21.0)",
-                           "F25": "applicable (0009-F25-async-load-reserve-in-flight.patch)"}
+                           "F25": "applicable (0009-F25-async-load-reserve-in-flight.patch)",
+                           "F26": "upstream (since v0.21.0)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]
     code, out, _ = run(capsys, "apply", "--fix", "F5,F3", "--check", str(checkout))

@@ -10,14 +10,21 @@ F24 (v0.30): an async KV load is admitted only with room for the first speculati
 step of every load in flight and its own (PR 57104, in v0.31).
 F25 (v0.18 - v0.22): an async KV load is admitted only into blocks that the loads and
 prefills in flight do not still need (PR 44560, in v0.23).
+F26 (v0.18 - v0.20): a rejection notice ends as it is added, which runs its KV
+connector's request_finished (PR 41269, in v0.21).
 """
 
 from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import KVTransferRejection, RequestStatus
 
-from vllm_patches._overlay import amend, filter_result_of, redirect_call_in
+from vllm_patches._overlay import (
+    amend,
+    call_at_end_of,
+    filter_result_of,
+    redirect_call_in,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -172,3 +179,14 @@ class Scheduler:
             total_computed_tokens=computed,
             num_tokens_main_model=computed + num_new_tokens,
         )
+
+
+@amend("F26", ">=0.18.0")
+class Scheduler:
+    @call_at_end_of("add_request")
+    def _finish_kv_transfer_rejection(self, request: "Request") -> None:
+        """A rejection notice is finished as it is added: never scheduled, it makes the
+        KV connector free what its remote prefill holds (NIXL notifies the producer
+        with an empty receive)."""
+        if KVTransferRejection.is_notice(request):
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
