@@ -117,6 +117,7 @@ CASES = {
         "list")]),
     "expired-behind-renewed-head": ("0.27.0", [expired("cmpl-a-0-11111111", second=95),
                                                expired("cmpl-b-0-22222222", second=95)]),
+    "prompt-held-after-rejection": ("0.20.2", [expired_v21("cmpl-rejected-0-1a2b3c4d", 490)]),
     "slow-cpu-tier-pin": ("0.28.0", [CPU_TIER, ready(192, 190.12)]),
     "kvcached-tp-hang": ("0.21.0", [KVCACHED]),
 }

@@ -347,6 +347,28 @@ def expired_in_a_burst(engine: Engine, symptom: Symptom) -> Hit | None:
     return _hit(burst)
 
 
+def unread_to_abort_timeout(engine: Engine, symptom: Symptom) -> Hit | None:
+    """Pull prompts of which no sibling was read, expired: before v0.21 (no leases),
+    held for the abort timeout. A heuristic (a client that never sent the decode request
+    looks the same), hence only where the release is known to need the fix."""
+    version = engine.version
+    if engine.matches["push_mode"] or version is None \
+            or not any(version in releases for releases in symptom.releases):
+        return None
+    invalid = {m.req for m in engine.matches["invalid"]}
+    families: dict[str, list[Match]] = defaultdict(list)
+    for match in engine.matches["expired"]:
+        families[parent_of(match.req) or match.req].append(match)
+    unread = []
+    for matches in families.values():
+        indices = {int(c["index"]) for m in matches if (c := _CHILD.fullmatch(m.req))}
+        # A sibling missing from the expired was released by its read.
+        all_expired = not indices or indices == set(range(max(indices) + 1))
+        if all_expired and all(m.count == 0 and m.req not in invalid for m in matches):
+            unread += matches
+    return _hit(unread)
+
+
 def slow_cpu_tier_pin(engine: Engine, symptom: Symptom) -> Hit | None:
     starts = [m for m in engine.matches["cpu_tier"] if m.line.seconds is not None]
     if not starts:
@@ -376,7 +398,8 @@ def kvcached_hang(engine: Engine, symptom: Symptom) -> Hit | None:
 RULES = {rule.__name__: rule for rule in (
     read_after_lease, read_after_release, early_notification, stranded_siblings,
     push_expired, push_unrecognized, registration_timeout, retry_timed_out, remote_block_ids,
-    failed_write_assert, failed_read_assert, expired_in_a_burst, slow_cpu_tier_pin, kvcached_hang)}
+    failed_write_assert, failed_read_assert, expired_in_a_burst, unread_to_abort_timeout,
+    slow_cpu_tier_pin, kvcached_hang)}
 
 
 # ------------------------------------------------------------------------------ symptoms
