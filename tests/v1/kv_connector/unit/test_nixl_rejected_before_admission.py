@@ -11,6 +11,7 @@ stock v0.18.0 .. v0.20.2 and pass with the fix.
 """
 
 import asyncio
+import inspect
 from collections.abc import AsyncGenerator
 from typing import Any
 from unittest.mock import AsyncMock, MagicMock
@@ -23,6 +24,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.request import Request
 
@@ -35,11 +37,23 @@ NOTICE_TURNS = 5
 SERVED_MODEL = "served-model"
 
 
-class InProcessFrontEnd:
-    """AsyncLLM as far as these requests go: what it adds goes to one scheduler."""
+class InProcessEngineCore:
+    """EngineCore's own add and abort paths, on one scheduler."""
+
+    add_request = EngineCore.add_request
+    abort_requests = EngineCore.abort_requests
 
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
+
+
+class InProcessFrontEnd:
+    """AsyncLLM as far as these requests go, its engine core in process."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.vllm_config = scheduler.vllm_config
+        self.core = InProcessEngineCore(scheduler)
         self.engine_core = self
         # assign_request_id is a static method.
         self.input_processor = InputProcessor
@@ -53,7 +67,7 @@ class InProcessFrontEnd:
         self.generate_calls = 0
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request, None))
+        self.core.add_request(Request.from_engine_core_request(request, None))
 
     async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         """The client disconnects while the engine serves the request."""
@@ -68,24 +82,29 @@ class InProcessFrontEnd:
 
 def _serving(kind: str, front_end: InProcessFrontEnd) -> Any:
     """The OpenAI serving class of ``kind``, serving SERVED_MODEL."""
+    cls = OpenAIServingChat if kind == "chat" else OpenAIServingCompletion
     models = MagicMock(lora_requests={})
     models.is_base_model.side_effect = lambda name: name == SERVED_MODEL
     render = MagicMock()
     # The rendered prompt: three tokens.
     render.render_completion = AsyncMock(return_value=[{"prompt_token_ids": [1, 2, 3]}])
+    # The renderer's argument, renamed in v0.30.
+    renderer = (
+        "online_renderer"
+        if "online_renderer" in inspect.signature(cls.__init__).parameters
+        else "openai_serving_render"
+    )
     if kind == "chat":
-        return OpenAIServingChat(
+        return cls(
             front_end,
             models,
             "assistant",
-            openai_serving_render=render,
             request_logger=None,
             chat_template=None,
             chat_template_content_format="auto",
+            **{renderer: render},
         )
-    serving = OpenAIServingCompletion(
-        front_end, models, openai_serving_render=render, request_logger=None
-    )
+    serving = cls(front_end, models, request_logger=None, **{renderer: render})
     serving._extract_prompt_len = lambda prompt: 3
     return serving
 
