@@ -245,6 +245,16 @@ def test_expiry_alone_of_a_prompt_nobody_read_is_no_finding(tmp_path, capsys):
     assert run(capsys, "diagnose", str(write(tmp_path, lines)))[0] == EXIT_OK
 
 
+def test_a_prompt_read_by_one_sibling_is_not_held_by_a_rejection(tmp_path, capsys):
+    """Before v0.21, siblings expired unread beside one read (an invalid-KV line, no
+    expiry): F2's stranded siblings, not a decode request rejected before admission."""
+    lines = startup("0.20.2", "stock") + [expired_v21(f"{i}_{P}", 490) for i in (0, 1)] + [
+        invalid(f"2_{P}", 20)]
+    _, found, _ = findings(capsys, str(write(tmp_path, lines)))
+    assert sorted(f["symptom"] for f in found) == ["sibling-read-after-release",
+                                                   "stranded-siblings"]
+
+
 def test_parallel_sampling_on_stock_shows_both_halves_of_f2(tmp_path, capsys):
     """n = 4 (F2's report): every child READs 3_P, released after the first child's
     notifications; the others' notifications are invalid KV, siblings 0-2 expire unread."""

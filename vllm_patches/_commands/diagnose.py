@@ -260,28 +260,45 @@ def early_notification(engine: Engine, symptom: Symptom) -> Hit | None:
     return _hit([m for m in other if not parent_of(m.req)])
 
 
-def stranded_siblings(engine: Engine, symptom: Symptom) -> Hit | None:
-    """Siblings expired unread while another sibling of their prompt was read: one
-    expired after reads, one has invalid-KV lines, or one is missing from the expired
-    (released by its read, which upstream does not log). A prompt whose siblings all
-    expired unread was never decoded: only the lease frees it, no bug."""
-    if engine.matches["push_mode"]:
-        return None
+@dataclass
+class ExpiredPrompt:
+    """A pull prompt's expiry lines, its parallel-sampling siblings' together."""
+
+    unread: list[Match]  # of the siblings that expired with 0 reads and no invalid-KV line
+    read: bool  # a sibling expired after reads, has invalid-KV lines, or is missing
+    siblings: bool  # a parallel-sampling prompt, not a request of n = 1
+
+
+def expired_prompts(engine: Engine) -> list[ExpiredPrompt]:
+    """Every prompt with expiry lines, and whether any of it was read. A sibling missing
+    from the expired was released by its read, which upstream does not log."""
     invalid = {m.req for m in engine.matches["invalid"]}
     read_parents = {parent_of(req) for req in invalid}
-    by_parent: dict[str, dict[int, list[Match]]] = defaultdict(lambda: defaultdict(list))
+    by_prompt: dict[str, dict[int | None, list[Match]]] = defaultdict(lambda: defaultdict(list))
     for match in engine.matches["expired"]:
-        if child := _CHILD.fullmatch(match.req):
-            by_parent[child["parent"]][int(child["index"])].append(match)
-    stranded = []
-    for parent, siblings in by_parent.items():
-        unread = {i: ms for i, ms in siblings.items()
-                  if all(m.count == 0 for m in ms) and f"{i}_{parent}" not in invalid}
-        read = len(unread) < len(siblings) or set(range(max(siblings) + 1)) - set(siblings) \
-            or parent in read_parents
-        if unread and read:
-            stranded += [m for ms in unread.values() for m in ms]
-    return _hit(stranded)
+        child = _CHILD.fullmatch(match.req)
+        by_prompt[child["parent"] if child else match.req][
+            int(child["index"]) if child else None].append(match)
+    prompts = []
+    for prompt, members in by_prompt.items():
+        unread = [m for ms in members.values()
+                  if all(m.count == 0 for m in ms) and ms[0].req not in invalid for m in ms]
+        indices = {i for i in members if i is not None}
+        missing = bool(indices) and bool(set(range(max(indices) + 1)) - indices)
+        read = len({m.req for m in unread}) < len(members) or missing \
+            or prompt in read_parents
+        prompts.append(ExpiredPrompt(unread, read, bool(indices)))
+    return prompts
+
+
+def stranded_siblings(engine: Engine, symptom: Symptom) -> Hit | None:
+    """Siblings expired unread while another sibling of their prompt was read. A prompt
+    whose siblings all expired unread was never decoded: only the lease frees it, no
+    bug (``unread_to_abort_timeout`` where the lease is the abort timeout)."""
+    if engine.matches["push_mode"]:
+        return None
+    return _hit([m for prompt in expired_prompts(engine)
+                 if prompt.siblings and prompt.read for m in prompt.unread])
 
 
 def push_expired(engine: Engine, symptom: Symptom) -> Hit | None:
@@ -335,8 +352,7 @@ def expired_in_a_burst(engine: Engine, symptom: Symptom) -> Hit | None:
     reaper stops at the first lease not yet expired: held behind it, they go together
     once it goes. A heuristic (prompts prefilled together expire together too), hence
     only where the release is known to reap that way."""
-    version = engine.version
-    if version is None or not any(version in releases for releases in symptom.releases):
+    if not _needed_on_release(engine, symptom):
         return None
     by_second: dict[float, list[Match]] = defaultdict(list)
     for match in engine.matches["expired"]:
@@ -351,22 +367,16 @@ def unread_to_abort_timeout(engine: Engine, symptom: Symptom) -> Hit | None:
     """Pull prompts of which no sibling was read, expired: before v0.21 (no leases),
     held for the abort timeout. A heuristic (a client that never sent the decode request
     looks the same), hence only where the release is known to need the fix."""
-    version = engine.version
-    if engine.matches["push_mode"] or version is None \
-            or not any(version in releases for releases in symptom.releases):
+    if engine.matches["push_mode"] or not _needed_on_release(engine, symptom):
         return None
-    invalid = {m.req for m in engine.matches["invalid"]}
-    families: dict[str, list[Match]] = defaultdict(list)
-    for match in engine.matches["expired"]:
-        families[parent_of(match.req) or match.req].append(match)
-    unread = []
-    for matches in families.values():
-        indices = {int(c["index"]) for m in matches if (c := _CHILD.fullmatch(m.req))}
-        # A sibling missing from the expired was released by its read.
-        all_expired = not indices or indices == set(range(max(indices) + 1))
-        if all_expired and all(m.count == 0 and m.req not in invalid for m in matches):
-            unread += matches
-    return _hit(unread)
+    return _hit([m for prompt in expired_prompts(engine) if not prompt.read
+                 for m in prompt.unread])
+
+
+def _needed_on_release(engine: Engine, symptom: Symptom) -> bool:
+    """Whether ``engine``'s release is known and one the symptom's fixes are needed on."""
+    version = engine.version
+    return version is not None and any(version in releases for releases in symptom.releases)
 
 
 def slow_cpu_tier_pin(engine: Engine, symptom: Symptom) -> Hit | None:
