@@ -96,6 +96,13 @@ def test_series_tests_exist_belong_to_no_fix_and_apply_on_a_lane():
     assert any(whole.applies(lane) for lane in _series.load().lanes)
 
 
+@pytest.mark.parametrize("fix", [f for f in FIXES if f.upstream_tests], ids=lambda f: f.id)
+def test_every_fixs_upstream_suites_run_on_a_lane(fix):
+    """A narrow lane runs upstream's suites of the fixes that start there only: each
+    fix's suites still run on some lane (series.toml, ``narrow_lanes``)."""
+    assert any(fix in SERIES.suites_run_on(lane) for lane in SERIES.lanes), fix.id
+
+
 def test_overlays_pass_ruff_check():
     """Overlays are linted as the tool's code is, with what the overlay spec allows them
     (``_overlay``; pyproject.toml's per-file-ignores): upstream's names unimported, a
