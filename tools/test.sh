@@ -29,7 +29,12 @@ ls -d patches/v*/ | xargs -n1 basename | xargs -n1 -P4 .venv/bin/vllm-patches fe
 echo "== regen --check"
 .venv/bin/vllm-patches regen --check
 echo "== tool tests"
-.venv/bin/python -m pytest -q -p no:cacheprovider -n auto tests/tool
+# Their checkouts (a vLLM tree each, cloned per test) on tmpfs where there is one:
+# a clone there costs a third of one on disk (docs/ci.md, "How long CI takes").
+tool_tmp=$(mktemp -d -p /dev/shm vllm-patches-tool-tests.XXXXXX 2>/dev/null || mktemp -d)
+TMPDIR=$tool_tmp .venv/bin/python -m pytest -q -p no:cacheprovider -n auto tests/tool \
+    || { rm -rf "$tool_tmp"; exit 1; }
+rm -rf "$tool_tmp"
 echo "== lanes and exported series, side by side (the export check's lines: [export])"
 # Every stage below runs even when an earlier one failed (each is long, and each
 # failure is worth seeing in one CI run); the exit status says whether any failed.
