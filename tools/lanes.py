@@ -30,7 +30,7 @@ pytest process at a time, and upstream's NIXL suites spend much of theirs waitin
 two lanes side by side kept 1.1 of 2 cores busy (v0.23.0 and v0.33.0 together took
 11.5 minutes, 2026-11-26). The log names each line's lane.
 
-Usage: python tools/lanes.py [--release vX.Y.Z ...] [--skip-upstream] [--jobs N]
+Usage: python tools/lanes.py [--release vX.Y.Z ...] [--skip-upstream] [--jobs N] [--venvs-only]
 Exit code 0 only if every lane met every expectation.
 """
 
@@ -241,7 +241,8 @@ def run_pytest(python: Path, tree: Path, dist_root: Path, tests: list[str],
     proc = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
     summary = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
     mode = f" [runtime {runtime}]" if runtime else ""
-    log(f"  pytest{mode} {' '.join(Path(t).name for t in tests)}: {summary[0]}")
+    files = dict.fromkeys(Path(t.split("::")[0]).name for t in tests)
+    log(f"  pytest{mode} {' '.join(files)}: {summary[0]}")
     activation = ACTIVATION_LINE.search(proc.stdout)
     if activation:
         log(f"    {activation.group(0)}")
@@ -415,8 +416,14 @@ def main() -> int:
                         help="only the fix tests, not upstream's suites")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="lanes run at a time (default: one per CPU core)")
+    parser.add_argument("--venvs-only", action="store_true",
+                        help="only build the lanes' venvs (tools/test.sh, in the background)")
     args = parser.parse_args()
     releases = args.release or list(_series.load().lanes)
+    if args.venvs_only:
+        for release in releases:
+            ensure_venv(release, _releases.fetch(release))
+        return 0
     offline_hf_home()  # made once, before lanes that read it run side by side
 
     def timed_lane(release: Version) -> list[str]:
