@@ -26,7 +26,9 @@ the same machine downloads nothing.
 Real engines run strictly one at a time (the tests take ``/tmp/vllm-engine.lock``
 around each one). Logs and each scenario's record go to ``BUILD/engine/vX/``.
 
-Usage: python tools/engine_lane.py [--release vX.Y.Z ...] [pytest arguments, e.g. -k f1]
+Usage: python tools/engine_lane.py [--release vX.Y.Z ...] [--full] [--venvs-only]
+                                   [pytest arguments, e.g. -k f1]
+(--full: also the tests marked ``full``, which CI leaves out for its budget.)
 Exit code 0 only if every test of every engine release passed.
 """
 
@@ -220,13 +222,14 @@ def measure_in_engine_venv(release: Version, script: Path, args: Sequence[str] =
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_engine_tests(release: Version, pytest_args: list[str]) -> int:
+def run_engine_tests(release: Version, pytest_args: list[str], full: bool) -> int:
     python = ensure_engine_venv(release)
     env = engine_env(release)
     report = Path(env["VLLM_PATCHES_E2E_OUT"]) / "report.jsonl"
     # -P: the repository is not put on sys.path, so the tests and every engine use the
     # installed package, as a user's vLLM does.
-    args = [str(python), "-P", "-m", "pytest", "-p", "no:cacheprovider", "-m", "engine",
+    args = [str(python), "-P", "-m", "pytest", "-p", "no:cacheprovider",
+            "-m", "engine" if full else "engine and not full",
             "-o", "addopts=", f"--report-log={report}", "-v", "-rxXs", "--durations=0",
             *engine_settings(release).tests, *pytest_args]
     started = time.monotonic()
@@ -238,9 +241,19 @@ def run_engine_tests(release: Version, pytest_args: list[str]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--release", action="append", type=_releases.parse_release)
+    parser.add_argument("--full", action="store_true",
+                        help="also the tests marked full, which CI leaves out (what each "
+                             "checks, CI's other runs check too)")
+    parser.add_argument("--venvs-only", action="store_true",
+                        help="only build the engine venvs (tools/test.sh, in the background)")
     args, pytest_args = parser.parse_known_args()
     releases = args.release or ENGINE_RELEASES
-    failed = [release for release in releases if run_engine_tests(release, pytest_args) != 0]
+    if args.venvs_only:
+        for release in releases:
+            ensure_engine_venv(release)
+        return 0
+    failed = [release for release in releases
+              if run_engine_tests(release, pytest_args, args.full) != 0]
     print(f"engine lanes: {len(releases) - len(failed)} passed, {len(failed)} failed"
           + "".join(f"\nENGINE LANE FAILED: v{release}" for release in failed))
     return 1 if failed else 0
