@@ -26,11 +26,22 @@ echo "== the covered releases' sources, four downloads at a time"
 # Downloads wait on the network, not on the cores; regen --check then renders from the
 # cache. patches/ has a directory per covered release (regen --check fails otherwise).
 ls -d patches/v*/ | xargs -n1 basename | xargs -n1 -P4 .venv/bin/vllm-patches fetch >/dev/null
+# The lanes' and the engines' venvs (downloads of several GB) build while the cores run
+# regen and the tool tests; the lanes and the engines take each venv's lock and wait
+# for a build in progress (lanes.cached_venv).
+mkdir -p build
+{ .venv/bin/python tools/lanes.py --venvs-only "$@" \
+    && if [ "${VLLM_PATCHES_ENGINE_LANE:-1}" != 0 ]; then
+           .venv/bin/python tools/engine_lane.py --venvs-only; fi; } \
+    >build/venvs.log 2>&1 &
+venvs=$!
+# A background job of a script ignores Ctrl-C: stop it with the script.
+trap 'kill $venvs 2>/dev/null || true' EXIT
 echo "== regen --check"
 .venv/bin/vllm-patches regen --check
 echo "== tool tests"
 # Their checkouts (a vLLM tree each, cloned per test) on tmpfs where there is one:
-# a clone there costs a third of one on disk (docs/ci.md, "How long CI takes").
+# a clone there costs a third of one on disk (docs/ci.md, "What keeps it in budget").
 tool_tmp=$(mktemp -d -p /dev/shm vllm-patches-tool-tests.XXXXXX 2>/dev/null || mktemp -d)
 TMPDIR=$tool_tmp .venv/bin/python -m pytest -q -p no:cacheprovider -n auto tests/tool \
     || { rm -rf "$tool_tmp"; exit 1; }
@@ -39,14 +50,14 @@ echo "== lanes and exported series, side by side (the export check's lines: [exp
 # Every stage below runs even when an earlier one failed (each is long, and each
 # failure is worth seeing in one CI run); the exit status says whether any failed.
 # Both mostly wait on subprocesses: side by side they saved about 6 minutes
-# (docs/ci.md, the clean-clone run of d5fda4c).
+# (a clean-clone run of d5fda4c).
 status=0
 .venv/bin/python tools/export_check.py "$@" > >(sed -u 's/^/[export] /') 2>&1 &
 export_check=$!
-# A background job of a script ignores Ctrl-C: stop it with the script.
-trap 'kill $export_check 2>/dev/null || true' EXIT
+trap 'kill $venvs $export_check 2>/dev/null || true' EXIT
 .venv/bin/python tools/lanes.py "$@" || status=1
 wait $export_check || status=1
+wait $venvs || { cat build/venvs.log; status=1; }
 if [ "${VLLM_PATCHES_ENGINE_LANE:-1}" != 0 ]; then
     echo "== real-engine lane"
     .venv/bin/python tools/engine_lane.py || status=1
