@@ -278,6 +278,7 @@ def register_local_blocks(worker) -> None:
     row's shape: three columns, or five from v0.33 (block stride, number of blocks)."""
     block_len = 4096 * worker.block_size
     table = getattr(worker, "src_blocks_data", None)
+    row: tuple[int, ...]
     if isinstance(table, np.ndarray) and table.shape[1] == 5:
         num_blocks = worker.kv_cache_config.num_blocks
         row = (0, block_len, worker.tp_rank, block_len, num_blocks)
