@@ -105,12 +105,7 @@ def check_release(release: Version, fixes: list[_series.Fix], hooks_only: bool,
             problems += check_tests(release, series, fixes, exported, work, pool)
         precommit.runner()  # made once, before the hooks run side by side
         ordered = [fix.id for fix in fixes if fix.id in exported]
-        # The first alone: its mypy cache then seeds every job's, where each would start
-        # cold (precommit.seed_mypy_caches).
-        problems += [p for p in map(hooks, ordered[:1]) if p]
-        if ordered:
-            precommit.seed_mypy_caches(exported[ordered[0]][0], jobs)
-        problems += [p for p in pool.map(hooks, ordered[1:]) if p]
+        problems += [p for p in pool.map(hooks, ordered) if p]
     return problems
 
 

@@ -182,7 +182,9 @@ def mypy_cache(tree: Path) -> Iterator[Path]:
     same pre-commit config (mypy's pin), never with one at the same time: mypy does not
     lock its cache. Warm, it cut mypy on an exported fix from 91 s to 15 s (2026-11-29);
     mypy checks every cached module's hash, so a cache from another tree stays sound."""
-    root = _mypy_cache_root(tree)
+    config = hashlib.sha256((tree / ".pre-commit-config.yaml").read_bytes()).hexdigest()
+    root = HOME / "mypy-cache" / config[:16]
+    root.mkdir(parents=True, exist_ok=True)
     for slot in itertools.count():
         with open(root / f"{slot}.lock", "w") as lock:
             try:
@@ -191,33 +193,6 @@ def mypy_cache(tree: Path) -> Iterator[Path]:
                 continue
             yield root / str(slot)
             return
-
-
-def seed_mypy_caches(tree: Path, slots: int) -> None:
-    """Make the first ``slots`` mypy caches of TREE's config copies of a finished one
-    where they are missing, so that as many runs side by side all start warm (a cold
-    run took 91 s against 15 s warm, 2026-11-29). A cache in use is never copied."""
-    root = _mypy_cache_root(tree)
-    missing = [root / str(slot) for slot in range(slots) if not (root / str(slot)).exists()]
-    for source in sorted(p for p in root.iterdir() if p.is_dir() and p.name.isdigit()):
-        if not missing:
-            return
-        with open(root / f"{source.name}.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            for target in missing:
-                shutil.copytree(source, target)
-            return
-
-
-def _mypy_cache_root(tree: Path) -> Path:
-    """Where the mypy caches of TREE's pre-commit config (mypy's pin) live."""
-    config = hashlib.sha256((tree / ".pre-commit-config.yaml").read_bytes()).hexdigest()
-    root = HOME / "mypy-cache" / config[:16]
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def mirror(tree: Path, target: Path) -> Path:

@@ -83,25 +83,3 @@ def test_a_mypy_cache_is_shared_by_runs_of_one_config_but_never_at_once(tmp_path
         assert first != second and first.parent == second.parent
     with precommit.mypy_cache(one) as again, precommit.mypy_cache(other) as elsewhere:
         assert again == first and elsewhere.parent != first.parent
-
-
-
-def test_seeded_mypy_caches_are_copies_of_a_finished_one_never_of_one_in_use(
-        tmp_path, monkeypatch):
-    """Seeding gives every missing slot a copy of a cache no run holds, and copies
-    nothing while the only cache is in use."""
-    monkeypatch.setattr(precommit, "HOME", tmp_path / "precommit")
-    tree = tmp_path / "tree"
-    tree.mkdir()
-    (tree / ".pre-commit-config.yaml").write_text("repos: []\n")
-    with precommit.mypy_cache(tree) as first:
-        (first / "3.11").mkdir(parents=True)
-        (first / "3.11" / "vllm.meta.json").write_text("{}")
-        precommit.seed_mypy_caches(tree, 3)
-        assert sorted(p.name for p in first.parent.iterdir() if p.is_dir()) == ["0"]
-    precommit.seed_mypy_caches(tree, 3)
-    with precommit.mypy_cache(tree) as one, precommit.mypy_cache(tree) as two, \
-            precommit.mypy_cache(tree) as three:
-        assert one == first
-        for seeded in (two, three):
-            assert (seeded / "3.11" / "vllm.meta.json").read_text() == "{}"
