@@ -20,8 +20,11 @@ from harness import bug_expected, probe_events, run_scenario
 pytestmark = pytest.mark.engine
 
 
+# Two groups is Gemma-3's own layout; three (a second sliding window) hand more blocks to
+# two groups through the same path: run with ``tools/engine_lane.py --full`` only, for CI's
+# budget (docs/real-engine-lane.md, "What CI leaves out").
 @pytest.mark.parametrize("mode", ["stock", "fixed"])
-@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("groups", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_no_physical_block_in_two_kv_cache_groups(groups: int, mode: str) -> None:
     record = run_scenario("f1_cross_group", mode, {"groups": groups}, label=f"f1-{groups}-groups")
     events = probe_events(record["run_dir"])
