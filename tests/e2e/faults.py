@@ -44,14 +44,17 @@ from typing import Any
 
 from e2e_probe import STALL_KEY
 from scenarios import (
+    DECODER_PHASES,
     Server,
     decoder_notifications_sent,
+    delta,
     drain,
     metric,
     nixl_server,
     poke,
     prefill,
     producer_notifications_read,
+    sample,
 )
 
 # A short lease, so that waves outlast it within a CI budget: heartbeats every 2 s
@@ -232,6 +235,7 @@ def waves(pair: Pair, seed: int) -> dict[str, Any]:
     with ThreadPoolExecutor(len(spec)) as pool:
         flows = list(pool.map(lambda i: prefill(pair.producer, prompts[i], spec[i][0]),
                               range(len(spec))))
+        before = sample(pair.decoder, DECODER_PHASES)
         # The last prompt's decode leg first: its children take the first waves.
         futures = []
         for i in reversed(range(len(spec))):
@@ -240,7 +244,8 @@ def waves(pair: Pair, seed: int) -> dict[str, Any]:
             time.sleep(0.5)
         calls = {i: future.result() for i, future in futures}
     return {"flows": [flow_record(f) for f in flows], "calls": [calls[i] for i in
-                                                                  range(len(spec))]}
+                                                                  range(len(spec))],
+            "decoder_phases": delta(sample(pair.decoder, DECODER_PHASES), before)}
 
 
 def abort_decoding(pair: Pair, seed: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from analysis import parent_of, prompt_kv_problems
 from e2e_probe import STALL_KEY, prompt_digest
 from faults import call, decode_payload, flow_record, tokens_of
 from harness import block_size, probe_events
-from push import DECODER_METRICS, PRODUCER_SIDE_PORT, legs, push_config, sample
+from push import DECODER_METRICS, PRODUCER_SIDE_PORT, legs, push_config
 from scenarios import (
     Breakdown,
     decoder_tp_args,
@@ -32,6 +32,7 @@ from scenarios import (
     nixl_server,
     poke,
     prefill,
+    sample,
     settle,
 )
 

@@ -48,7 +48,18 @@ from typing import Any
 
 from e2e_probe import SLOW_WRITE_ENV
 from faults import call, tokens_of
-from scenarios import Breakdown, Server, log_lines, metric, nixl_server, poke, probe_lines, settle
+from scenarios import (
+    DECODER_PHASES,
+    Breakdown,
+    Server,
+    delta,
+    log_lines,
+    nixl_server,
+    poke,
+    probe_lines,
+    sample,
+    settle,
+)
 
 # A short lease, so that the lease cases fit in a short run (upstream: 30 s). Heartbeats
 # every lease // 6 s.
@@ -129,17 +140,6 @@ class PushPair:
         return probe_lines(self.run_dir / f"{server.name}.probe.jsonl")
 
 
-def sample(server: Server, names: tuple[str, ...]) -> dict[str, float]:
-    samples = server.metrics()
-    # Prometheus names a counter's samples ``<name>_total``.
-    return {name.removeprefix("vllm:"): metric(samples, name) + metric(samples, name + "_total")
-            for name in names}
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {name: round(after[name] - before[name], 6) for name in after}
-
-
 def prefill_payload(prompt: list[int], n: int) -> dict[str, Any]:
     return {"prompt": prompt, "n": n, "max_tokens": 1, "kv_transfer_params": {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -208,10 +208,12 @@ def writes_case(pair: PushPair) -> dict[str, Any]:
     out = []
     for i, n in enumerate(WRITE_NS):
         before = sample(pair.producer, PRODUCER_METRICS)
+        phases = sample(pair.decoder, DECODER_PHASES)
         flow = legs(pair, f"push-writes-n{n}", tokens_of(3, 5, 1000 * (i + 1)), n, n)
+        phases = delta(sample(pair.decoder, DECODER_PHASES), phases)
         time.sleep(2.0)
         after = sample(pair.producer, PRODUCER_METRICS)
-        out.append({**flow, "producer_delta": delta(after, before),
+        out.append({**flow, "producer_delta": delta(after, before), "decoder_phases": phases,
                     **traffic(pair, flow["rid"])})
     return {"prompts": out}
 

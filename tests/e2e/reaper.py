@@ -29,8 +29,18 @@ from typing import Any
 
 from analysis import released_at
 from faults import call, decode_payload, tokens_of
-from push import DECODER_METRICS, sample
-from scenarios import Breakdown, Server, log_lines, nixl_server, poke, prefill, probe_lines, settle
+from push import DECODER_METRICS
+from scenarios import (
+    Breakdown,
+    Server,
+    log_lines,
+    nixl_server,
+    poke,
+    prefill,
+    probe_lines,
+    sample,
+    settle,
+)
 
 LEASE_S = 12
 # The busy client leaves this long past B's and C's lease (from their prefill) when

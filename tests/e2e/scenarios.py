@@ -146,6 +146,26 @@ def metric(samples: dict[str, float], name: str) -> float:
                if key == name or key.startswith(name + "{"))
 
 
+def sample(server: Server, names: tuple[str, ...]) -> dict[str, float]:
+    """``names``' values on ``server``, each summed over its label sets, without "vllm:"."""
+    samples = server.metrics()
+    # Prometheus names a counter's samples ``<name>_total``.
+    return {name.removeprefix("vllm:"): metric(samples, name) + metric(samples, name + "_total")
+            for name in names}
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: round(after[name] - before[name], 6) for name in after}
+
+
+# Where a decoder's time went, as vLLM's request histograms sum it: waiting for a seat
+# or for remote KV, prefill, decode, and its steps (the iteration histogram's count).
+DECODER_PHASES = tuple(f"vllm:{name}_{part}" for name in (
+    "request_queue_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "inter_token_latency_seconds", "iteration_tokens_total")
+    for part in ("sum", "count"))
+
+
 def completion(server: Server, prompt: list[int], **params: Any) -> dict[str, Any]:
     # Greedy unless sampling several (vLLM refuses n > 1 with greedy sampling).
     temperature = 1.0 if params.get("n", 1) > 1 else 0.0
