@@ -175,13 +175,13 @@ def test_children_in_waves_release_the_prompt_when_it_is_read():
     """A decoder with two seats and a prompt with n = 8 admits the children in waves,
     long after the prompt's one READ (a real v0.32.0 pair with 120-token outputs: the
     producer released the prompt by lease while "KV fetch: 4 waiting to start",
-    PR 41383's leases; PR 43509 assumes the decoder is done with a prompt once read).
-    As the READ completes the producer hears from every child, seated or not; the
-    later waves take the prompt from the prefix cache and never read or notify."""
+    PR 41383's leases; on v0.21 by VLLM_NIXL_ABORT_REQUEST_TIMEOUT, and each later
+    wave's notification logged "Potentially invalid KV blocks"; PR 43509 assumes the
+    decoder is done with a prompt once read). As the READ completes the producer hears
+    from every child, seated or not; the later waves take the prompt from the prefix
+    cache and never read or notify."""
     vllm_config = create_vllm_config(max_num_seqs=2)
     scheduler, children = queued_children(vllm_config, 8)
-    if not hasattr(scheduler.connector, "on_new_request"):
-        pytest.skip("requests reach the connector on arrival from v0.22")
 
     pulls = Pulls()
     started = pulls.step(scheduler, children)
@@ -207,6 +207,36 @@ def test_children_in_waves_release_the_prompt_when_it_is_read():
     assert seated == {c.request_id for c in children}
     assert list(pulls.reads) == sorted(started), pulls.reads
     assert sorted(pulls.notified) == others, "each child notifies the producer once"
+
+
+def test_children_that_arrive_after_the_read_release_the_prompt_at_once():
+    """The front end adds a prompt's children one by one: in a real v0.21.0 pair
+    (n = 5, two seats, 89 tokens) two arrived after the first child's READ was done,
+    waited for a seat past the producer's 12 s timeout and notified it then: two
+    "Potentially invalid KV blocks" lines. From v0.22, where the scheduler tells the
+    connector of each arrival, a child that arrives after the READ tells the
+    producer at once, seated or not, and never reads."""
+    vllm_config = create_vllm_config(max_num_seqs=2)
+    scheduler, [first] = queued_children(vllm_config, 1)
+    if not hasattr(scheduler.connector, "on_new_request"):
+        pytest.skip("requests reach the connector on arrival from v0.22")
+    pulls = Pulls()
+    started = pulls.step(scheduler, [first])
+    assert started == {first.request_id}
+    pulls.step(scheduler, [first], loaded=started)
+    pulls.step(scheduler, [first])
+
+    late = make_children(4, vllm_config.cache_config.block_size, first_id=2)
+    for child in late:
+        scheduler.add_request(child)
+    pulls.step(scheduler, [first, *late])
+    assert sorted(pulls.notified) == sorted(c.request_id for c in late), (
+        f"{len(pulls.notified)} of the {len(late)} children that came after the READ "
+        "told the producer at once; the rest hold its blocks until they get a seat"
+    )
+    pulls.run(scheduler, [first, *late])
+    assert list(pulls.reads) == [first.request_id], pulls.reads
+    assert sorted(pulls.notified) == sorted(c.request_id for c in late)
 
 
 @pytest.mark.parametrize("why", ["no prefix caching", "switched off"])

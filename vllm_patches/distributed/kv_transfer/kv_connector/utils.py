@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from vllm_patches._overlay import add
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
@@ -22,12 +24,13 @@ if TYPE_CHECKING:
 @add("F5", ">=0.18.0")
 class _PromptRead:
     """One remote prompt on the decoder: the request that reads it (None: nobody,
-    the prompt's earlier requests all finished), and every request with its
-    kv_transfer_params that asked the connector so far."""
+    the prompt's earlier requests all finished), whether its KV arrived, and every
+    request with its kv_transfer_params that asked the connector so far."""
 
     def __init__(self, reader: "Request | None") -> None:
         self.reader = reader
-        self.members: set[str] = set()
+        self.loaded = False
+        self.members: dict[str, Request] = {}
 
 
 @add("F5", ">=0.18.0")
@@ -56,8 +59,8 @@ class PromptReads:
         self._reads: dict[tuple[str, str], _PromptRead] = {}
         self._prompt_of: dict[str, tuple[str, str]] = {}
         self._ended: OrderedDict[tuple[str, str], bool] = OrderedDict()
-        # From v0.22 (on_new_request): every request of a prompt since its arrival,
-        # asked or not (a decoder with no free seat asks nothing).
+        # Every request of a prompt since its arrival (on_new_request), asked or
+        # not (a decoder with no free seat asks nothing).
         self._arrivals: dict[tuple[str, str], dict[str, Request]] = {}
         self._arrival_of: dict[str, tuple[str, str]] = {}
 
@@ -103,7 +106,7 @@ class PromptReads:
         if read is None:
             ended = self._ended.pop(prompt, False)
             read = self._reads[prompt] = _PromptRead(None if ended else request)
-        read.members.add(request.request_id)
+        read.members[request.request_id] = request
         self._prompt_of[request.request_id] = prompt
         if read.reader is request:
             return None
@@ -128,18 +131,28 @@ class PromptReads:
             reader.status == RequestStatus.WAITING and reader.num_computed_tokens == 0
         )
 
-    def arrived(self, request: "Request") -> None:
-        """``request`` reached the scheduler (on_new_request, v0.22+)."""
+    def arrived(
+        self, request: "Request", request_finished: "Callable[..., object]"
+    ) -> None:
+        """``request`` reached the scheduler (on_new_request). One that comes after
+        its prompt's read completed needs the producer no more: it sends now what a
+        request that ends unscheduled sends (``request_finished`` with no blocks),
+        not when a seat admits it, maybe past the producer's lease or timeout."""
         prompt = self.prompt(request)
-        if prompt is not None:
-            self._arrivals.setdefault(prompt, {})[request.request_id] = request
-            self._arrival_of[request.request_id] = prompt
+        if prompt is None:
+            return
+        self._arrivals.setdefault(prompt, {})[request.request_id] = request
+        self._arrival_of[request.request_id] = prompt
+        read = self._reads.get(prompt)
+        if read is not None and read.loaded and read.reader is not request:
+            request_finished(request, ())
 
     def served_by(self, loaded: "set[str] | frozenset[str]") -> list["Request"]:
         """The requests that no longer need the producer because a request among
         ``loaded`` (finished receiving) read their prompt: each reader's prompt's other
-        requests not scheduled yet. They take the prompt from the prefix cache, or
-        compute it, whenever they are admitted: their release waits on no seat."""
+        requests not scheduled yet, those that asked for it and (v0.22+) those that
+        arrived. They take the prompt from the prefix cache, or compute it, whenever
+        they are admitted: their release waits on no seat."""
         served: list[Request] = []
         for req_id in loaded:
             prompt = self._prompt_of.get(req_id)
@@ -148,12 +161,25 @@ class PromptReads:
             read = self._reads.get(prompt)
             if read is None or read.reader is None or read.reader.request_id != req_id:
                 continue
+            read.loaded = True
+            others = {**read.members, **self._arrivals.get(prompt, {})}
             served.extend(
                 request
-                for other_id, request in self._arrivals.get(prompt, {}).items()
+                for other_id, request in others.items()
                 if other_id != req_id and self.prompt(request) == prompt
             )
         return served
+
+    def release_served(
+        self,
+        loaded: "set[str] | frozenset[str] | None",
+        request_finished: "Callable[..., object]",
+    ) -> None:
+        """Each request ``served_by(loaded)`` sends the producer now what upstream
+        sends for a request that ends unscheduled (the connector scheduler's
+        ``request_finished`` with no blocks)."""
+        for request in self.served_by(loaded) if loaded else ():
+            request_finished(request, ())
 
     def finished(self, request: "Request") -> None:
         """``request`` left the scheduler: forget its prompt once no request uses it."""
@@ -167,7 +193,7 @@ class PromptReads:
         if prompt is None:
             return
         read = self._reads[prompt]
-        read.members.discard(request.request_id)
+        read.members.pop(request.request_id, None)
         if not read.members:
             del self._reads[prompt]
             self._ended[prompt] = True
@@ -195,7 +221,7 @@ class PromptWrites(PromptReads):
         failed."""
         prompt = self.prompt(request)
         if prompt in self._failed:
-            self._reads[prompt].members.add(request.request_id)
+            self._reads[prompt].members[request.request_id] = request
             self._prompt_of[request.request_id] = prompt
             return 0, False
         return super().local_answer(request, num_computed_tokens)

@@ -113,7 +113,10 @@ class NixlBaseConnector:
     def _note_arrival(self, request: "Request") -> None:
         """Every request of a remote prompt, from its arrival."""
         if self._prompt_reads is not None:
-            self._prompt_reads.arrived(request)
+            assert self.connector_scheduler is not None
+            self._prompt_reads.arrived(
+                request, self.connector_scheduler.request_finished
+            )
 
     @call_at_end_of("update_connector_output")
     def _release_prompt_once_read(self, connector_output: "KVConnectorOutput") -> None:
@@ -123,12 +126,31 @@ class NixlBaseConnector:
         Admitted later, it takes the prompt from the prefix cache or computes it;
         never reads. A decoder short of seats otherwise holds the producer's blocks
         for as long as its waves last, on heartbeats alone."""
-        reads = self._prompt_reads
-        if reads is None or not connector_output.finished_recving:
-            return
-        assert self.connector_scheduler is not None
-        for request in reads.served_by(connector_output.finished_recving):
-            self.connector_scheduler.request_finished(request, ())
+        if self._prompt_reads is not None:
+            assert self.connector_scheduler is not None
+            self._prompt_reads.release_served(
+                connector_output.finished_recving,
+                self.connector_scheduler.request_finished,
+            )
+
+
+@amend("F5", ">=0.20.0,<0.22.0", name="NixlConnector")
+@amend("F5", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnector")
+class NixlBaseConnector:
+    """F5 before v0.22: the same release, against the producer's fixed timeout
+    (VLLM_NIXL_ABORT_REQUEST_TIMEOUT), of the requests that asked for the prompt:
+    upstream tells the connector of a request's arrival only from v0.22."""
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """The producer releases a prompt as soon as its one read is done, before
+        its timeout frees it under the children that a decoder short of seats
+        admits later (each would notify a prompt the producer no longer holds)."""
+        if self._prompt_reads is not None:
+            assert self.connector_scheduler is not None
+            self._prompt_reads.release_served(
+                connector_output.finished_recving,
+                self.connector_scheduler.request_finished,
+            )
 
 
 @amend("F5", ">=0.24.0")
