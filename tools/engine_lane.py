@@ -77,13 +77,15 @@ class EngineSettings:
 # entry of the newest first release not after it (``engine_settings``).
 ENGINE_SETTINGS = {
     # What only the older layout (nixl/worker.py, release by timeout) can show in an
-    # engine: F1 (upstream from v0.24) and F3's worker-level race. The NIXL pair ran
-    # here too until 2026-11-26 (449 s of this lane's 710 s in the clean-clone run of
-    # c54e71d, every test passing); it runs on v0.32.0, the lanes prove F2 and F5 on
-    # this layout (v0.21.0, v0.23.0), and `tools/engine_lane.py --release v0.21.0
+    # engine: F1 (upstream from v0.24), F3's worker-level race, and one generated seed
+    # (a pull pair against a fixed timeout). The NIXL pair ran here too until
+    # 2026-11-26 (449 s of this lane's 710 s in the clean-clone run of c54e71d, every
+    # test passing); it runs on v0.32.0, the lanes prove F2 and F5 on this layout
+    # (v0.21.0, v0.23.0), and `tools/engine_lane.py --release v0.21.0 --full
     # tests/e2e/test_f2_f3_nixl_pair.py` runs it here again. Cut for CI's budget.
     Version("0.18.0"): EngineSettings(tests=(
-        "tests/e2e/test_f1_cross_group.py", "tests/e2e/test_f3_early_notification.py")),
+        "tests/e2e/test_f1_cross_group.py", "tests/e2e/test_f3_early_notification.py",
+        "tests/e2e/test_generated_pairs.py")),
     # The last release of the old lease reaper (base_worker.py stops at the first live
     # lease; F17) and the only one whose push producer never reports a WRITE done (F18):
     # both bugs in a pull and a push pair, stock against fixed; and one generated seed.

@@ -28,9 +28,9 @@ def measure(seed: int, mode: str) -> dict:
     """One seed's run, in the engine venv: its parameters, violations and seconds."""
     sys.path[:0] = E2E
     from generated import draw, violations
-    from harness import run_scenario
+    from harness import release, run_scenario
 
-    params = draw(seed)
+    params = draw(seed, release())
     try:
         record = run_scenario("generated", mode, params, label=f"search-{seed}")
     except RuntimeError as error:  # broke down every attempt, or the scenario failed

@@ -22,7 +22,8 @@ from typing import Any
 from analysis import parent_of, prompt_kv_problems
 from e2e_probe import STALL_KEY, prompt_digest
 from faults import call, decode_payload, flow_record, tokens_of
-from harness import block_size, probe_events
+from harness import block_size, probe_events, release
+from packaging.version import Version
 from push import DECODER_METRICS, PRODUCER_SIDE_PORT, legs, push_config
 from scenarios import (
     Breakdown,
@@ -58,10 +59,18 @@ LATE_MARGIN_S = 2.0
 BUSY_TOKENS = 500
 EXPIRED = "Releasing expired KV blocks"
 INVALID = "Potentially invalid KV blocks"
+# The first release with push mode (NixlPushConnector): an older one runs a push draw's
+# prompts through a pull pair.
+PUSH_SINCE = Version("0.24.0")
+# The first release whose decoder renews the producer's lease (heartbeats). Before it,
+# a READ that starts past the lease reads freed KV, stock and fixed alike: no fix of
+# those releases can tell the producer that a child still waits (F6-F8 start here).
+HEARTBEATS_SINCE = Version("0.22.0")
 
 
-def draw(seed: int) -> dict[str, Any]:
-    """The pair and traffic of ``seed``; the same seed draws the same dict."""
+def draw(seed: int, on: str | None = None) -> dict[str, Any]:
+    """The pair and traffic of ``seed`` on vLLM release ``on`` (None: one with every
+    mode); the same seed and release draw the same dict."""
     rng = random.Random(seed)
     mode = rng.choice(["pull", "push"])
     prompts = []
@@ -111,6 +120,9 @@ def draw(seed: int) -> dict[str, Any]:
     params["fix_sets"] = {"producer": "all", "decoder": "all"}
     if rng.random() < 1 / 4:
         params["fix_sets"][rng.choice(ROLES)] = rng.choice(BEHIND)
+    # After every draw, so that the seed keeps its other dimensions on every release.
+    if on is not None and Version(on) < PUSH_SINCE:
+        params["mode"] = "pull"
     return params
 
 
@@ -129,10 +141,13 @@ def fix_sets(params: dict[str, Any]) -> dict[str, str]:
             for role, fix_set in params["fix_sets"].items()}
 
 
-def runs(fix_set: str, *fix_ids: str) -> bool:
-    """Whether an engine on ``fix_set`` (``fix_sets``) runs every fix of ``fix_ids``."""
-    return fix_set == "all" or (fix_set != "none"
-                                and set(fix_ids) <= set(fix_set.split(",")))
+def fixes_run(fix_set: str, on: str) -> set[str]:
+    """The ids of the fixes an engine on ``fix_set`` (``fix_sets``) runs on release ``on``."""
+    from vllm_patches._catalog import series as _series
+
+    if fix_set == "all":
+        return {fix.id for fix in _series.load().applicable(Version(on))}
+    return set() if fix_set == "none" else set(fix_set.split(","))
 
 
 class DrawnPair:
@@ -303,8 +318,8 @@ def run(run_dir: Path, params: dict[str, Any]) -> dict[str, Any]:
     pair = DrawnPair(run_dir, params)
     prompts = [tokens_of(spec["full_blocks"], spec["tail"], 2_000 + 4_000 * i)
                for i, spec in enumerate(params["prompts"])]
-    record: dict[str, Any] = {"params": params, "fix_sets": pair.fix_sets,
-                              "ready": pair.ready,
+    record: dict[str, Any] = {"params": params, "release": release(),
+                              "fix_sets": pair.fix_sets, "ready": pair.ready,
                               "block_size": block_size(), "client_limit_s": CLIENT_LIMIT_S,
                               "prompt_digests": [prompt_digest(p) for p in prompts]}
     try:
@@ -357,33 +372,41 @@ def violations(record: dict[str, Any]) -> list[str]:
     only if it runs F9); no child holds other prompt KV than the producer's unless an
     invalid-KV line names its prompt (TP 1). Every fix on both engines: no invalid-KV
     line. A pull producer with F2 and F8 frees a prompt under
-    a READ only by lease. No prompt released by lease unless its decode leg came late, a
+    a READ only by lease; before heartbeats (``HEARTBEATS_SINCE``), one with F2 frees
+    only prompts a READ reached late. No prompt released by lease unless its decode leg came late, a
     stall froze the decoder within its lease (then, pull, no READ of it after the stall:
     F7) or its calls ended with a kill: every fix on both engines, or a pull decoder with
     F6 (heartbeats are upstream's), where a producer without F2 may still let the
     siblings no child reads expire (F2's bug)."""
     params, found = record["params"], []
-    fixes = record["fix_sets"]
-    both = all(fix_set == "all" for fix_set in fixes.values())
+    fixes = {role: fixes_run(fix_set, record["release"])
+             for role, fix_set in record["fix_sets"].items()}
+    both = all(fix_set == "all" for fix_set in record["fix_sets"].values())
     pull = params["mode"] == "pull"
     run_dir = Path(record["run_dir"])
     producer_events = probe_events(run_dir, "producer.probe.jsonl")
     decoder_events = probe_events(run_dir, "decoder.probe.jsonl")
     expired = record["producer_lines"][EXPIRED]
     invalid = record["producer_lines"][INVALID] + record["decoder_lines"][INVALID]
-    if both:
+    if Version(record["release"]) < HEARTBEATS_SINCE:
+        if "F2" in fixes["producer"]:
+            found += [f"invalid-KV line for a prompt READ in time: {line.strip()[-200:]}"
+                      for line in invalid if not any(
+                          _names(flow, line) and _read_late(flow, decoder_events, params)
+                          for flow in record["flows"])]
+    elif both:
         found += [f"invalid-KV line: {line.strip()[-200:]}" for line in invalid]
-    elif pull and runs(fixes["producer"], "F2", "F8"):
+    elif pull and {"F2", "F8"} <= fixes["producer"]:
         found += [f"invalid-KV line for a prompt not released by lease: {line.strip()[-200:]}"
                   for line in invalid if not any(_names(flow, line) and _names(flow, *expired)
                                                  for flow in record["flows"])]
-    if both or (pull and runs(fixes["decoder"], "F6", "F7")):
-        read_only = not both and not runs(fixes["producer"], "F2")
+    if {"F6", "F7"} <= fixes["decoder"] and (both or pull):
+        read_only = not both and "F2" not in fixes["producer"]
         found += _released_by_lease(record, expired, decoder_events, read_only)
     found += [f"the producer failed a step: {error}" for error in record["step_errors"]]
     # A push decoder without F9 leaves a request whose registration is never served
     # waiting, its blocks held, until its client leaves (F9's own bug).
-    ends = pull or runs(fixes["decoder"], "F9")
+    ends = pull or "F9" in fixes["decoder"]
     for role, state in record["final"].items():
         if state["kv_cache_usage_perc"] != 0 and (ends or role == "producer"):
             found.append(f"{role} KV usage {state['kv_cache_usage_perc']} a lease after "
@@ -402,6 +425,16 @@ def violations(record: dict[str, Any]) -> list[str]:
 def _names(flow: dict[str, Any], *lines: str) -> bool:
     """Whether one of ``lines`` names ``flow``'s prompt (its request or a sibling's)."""
     return any(flow["key"] in line for line in lines)
+
+
+def _read_late(flow: dict[str, Any], decoder_events: list[dict[str, Any]],
+               params: dict[str, Any]) -> bool:
+    """Whether a READ of ``flow``'s prompt started later than ``LATE_MARGIN_S`` before
+    its lease ran out (a READ takes milliseconds; the producer sees its notification in a
+    step)."""
+    deadline = flow["t_prefilled"] + params["lease"] - LATE_MARGIN_S
+    return any(event["event"] == "read" and flow["key"] in event["notif"]
+               and event["t"] > deadline for event in decoder_events)
 
 
 def _released_by_lease(record: dict[str, Any], expired: list[str],

@@ -1,6 +1,7 @@
 """tests/e2e/generated.py without engines: ``draw`` runs upgrades in progress, and
 ``violations`` holds each run to what its engines' fix sets promise (made-up records)."""
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ def record(tmp_path: Path, mode: str, fix_sets: dict[str, str], expired: list[st
     flow = {"index": 0, "key": PROMPT, "remote_request_id": READ_SIBLING, "n": 2, "t_prefilled": 0.0, "t_decode_start": 1.0,
             "t_end": 5.0, "decode": {"status": 200, "choices": 2}}
     params = {"mode": mode, "lease": 20, "decoder_tp": 2, "fault": {"kind": "none"}}
-    return {"params": params, "fix_sets": fix_sets, "run_dir": str(tmp_path),
+    return {"params": params, "release": "0.32.0", "fix_sets": fix_sets,
+            "run_dir": str(tmp_path),
             "flows": [flow], "step_errors": [], "client_limit_s": 150,
             "final": {"producer": {"kv_cache_usage_perc": usage},
                       "decoder": {"kv_cache_usage_perc": 0}},
@@ -120,3 +122,29 @@ def test_draws_run_every_upgrade_in_progress() -> None:
     assert behind == {(role, fix_set) for role in generated.ROLES
                       for fix_set in generated.BEHIND}
     assert drawn.count(BOTH) > len(drawn) / 2
+
+
+def test_a_release_without_push_mode_draws_the_same_prompts_pulled() -> None:
+    """Before v0.24 a push draw runs as a pull pair; the seed keeps every other dimension."""
+    for seed in range(40):
+        newest, old = generated.draw(seed), generated.draw(seed, "0.21.0")
+        assert old["mode"] == "pull"
+        assert {**newest, "mode": "pull"} == old
+
+
+@pytest.mark.parametrize(("read_at", "fix_sets", "broken"), [
+    (1.0, BOTH, True), (1.0, STOCK_DECODER, True),
+    # A READ that starts past the lease reads freed KV: no heartbeat before v0.22.
+    (19.0, BOTH, False),
+    # A producer without F2 frees the read sibling at the first child's notification.
+    (1.0, STOCK_PRODUCER, False),
+])
+def test_an_invalid_line_before_heartbeats(tmp_path: Path, read_at: float,
+                                           fix_sets: dict[str, str], broken: bool) -> None:
+    """On v0.21 (no heartbeats) a producer with F2 frees only prompts a READ reached
+    late (lease 20 s, prefilled at 0 s)."""
+    (tmp_path / "decoder.probe.jsonl").write_text(json.dumps(
+        {"t": read_at, "event": "read", "op": "READ", "notif": f"{READ_SIBLING}:1"}) + "\n")
+    old = {**record(tmp_path, "pull", fix_sets, [EXPIRED], [INVALID]), "release": "0.21.0"}
+    found = generated.violations(old)
+    assert bool(found) is broken, found
