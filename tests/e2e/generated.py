@@ -371,9 +371,9 @@ def violations(record: dict[str, Any]) -> list[str]:
     engine left running 0 a lease after the last call (in push mode, a decoder's own
     only if it runs F9); no child holds other prompt KV than the producer's unless an
     invalid-KV line names its prompt (TP 1). Every fix on both engines: no invalid-KV
-    line. A pull producer with F2 and F8 frees a prompt under
-    a READ only by lease; before heartbeats (``HEARTBEATS_SINCE``), one with F2 frees
-    only prompts a READ reached late. No prompt released by lease unless its decode leg came late, a
+    line. A pull producer with F2 and F8 frees a prompt under a READ only by lease;
+    before heartbeats (``HEARTBEATS_SINCE``), one with F2 frees only prompts a READ
+    reached late. No prompt released by lease unless its decode leg came late, a
     stall froze the decoder within its lease (then, pull, no READ of it after the stall:
     F7) or its calls ended with a kill: every fix on both engines, or a pull decoder with
     F6 (heartbeats are upstream's), where a producer without F2 may still let the
