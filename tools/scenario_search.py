@@ -74,7 +74,7 @@ def main() -> int:
         if broken:
             failing.append(result)
             args.out.write_text(json.dumps(failing, indent=1))
-            print(f"  rerun: {rerun_command(seed, args.mode)}", flush=True)
+            print(f"  rerun: {rerun_command(seed, str(release), args.mode)}", flush=True)
         seed += 1
     print(f"{seed - args.start} seeds from {args.start}, {args.mode}: {len(failing)} failing"
           + (f" (written to {args.out})" if failing else ""))

@@ -500,6 +500,8 @@ def _kv_problems(record: dict[str, Any], producer_events: list[dict[str, Any]],
             for problem in prompt_kv_problems(producer_events, decoder_events, flows)]
 
 
-def rerun_command(seed: int, mode: str = "fixed") -> str:
-    return (f".venv/bin/python tools/scenario_search.py --start {seed} --seeds 1"
+def rerun_command(seed: int, on: str, mode: str = "fixed") -> str:
+    """The command that runs ``seed`` again on release ``on`` (``draw`` depends on it)."""
+    return (f".venv/bin/python tools/scenario_search.py --start {seed} --seeds 1 "
+            f"--release v{on}"
             + (" --mode stock" if mode == "stock" else ""))

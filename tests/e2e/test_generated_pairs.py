@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from generated import draw, rerun_command, violations
+from generated import HEARTBEATS_SINCE, draw, rerun_command, violations
 from harness import release, run_scenario
 from packaging.version import Version
 
@@ -50,7 +50,7 @@ TIMEOUT_SEEDS = [0]
 def ci_seeds() -> list[int]:
     """The seeds of the lane's engine release (``tools/engine_lane.py``)."""
     here = Version(release())
-    if here < Version("0.22.0"):
+    if here < HEARTBEATS_SINCE:
         return TIMEOUT_SEEDS
     return OLD_REAPER_SEEDS if here < Version("0.31.0") else CI_SEEDS
 
@@ -63,4 +63,4 @@ def test_generated_pair_keeps_the_invariants(seed: int) -> None:
     found = violations(record)
     assert not found, (f"seed {seed} ({record['seconds']} s, {record['run_dir']}): "
                        + "; ".join(found) + f"\nparameters: {json.dumps(params)}"
-                       + f"\nrerun: {rerun_command(seed)}")
+                       + f"\nrerun: {rerun_command(seed, release())}")
