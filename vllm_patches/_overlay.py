@@ -20,6 +20,11 @@ An overlay module mirrors one upstream module (``vllm_patches/v1/core/x.py`` cha
     A partial class written once for several layouts: in other releases its members
     go to class ``name`` of another overlay's upstream module (where that state lived
     before a class was split).
+``@amend(fix, releases, after="m")`` on a class
+    The partial class's new members go right after upstream member ``m`` rather than
+    to the end of the class, where other fixes add theirs: two fixes that add members
+    to one class touch the same lines only if one names the other's place. A hook
+    sits best after the method it hooks.
 
 ``releases`` is a PEP 440 specifier set that says where the variant starts
 (``">=0.24.0"``). Where one upstream file needs different code in different releases,
@@ -113,21 +118,23 @@ ADD = "add"
 
 
 def _marker(kind: str, fix: str, releases: str, into: str | None = None,
-            name: str | None = None) -> Callable[[Definition], Definition]:
+            name: str | None = None, after: str | None = None
+            ) -> Callable[[Definition], Definition]:
     def mark(definition: Definition) -> Definition:
         markers = getattr(definition, "__vllm_patches__", ())
-        marker = (kind, fix, releases, into, name)
+        marker = (kind, fix, releases, into, name, after)
         definition.__vllm_patches__ = (*markers, marker)  # type: ignore[attr-defined]
         return definition
 
     return mark
 
 
-def amend(fix: str, releases: str, into: str | None = None,
-          name: str | None = None) -> Callable[[Definition], Definition]:
+def amend(fix: str, releases: str, into: str | None = None, name: str | None = None,
+          after: str | None = None) -> Callable[[Definition], Definition]:
     """Replace or extend the upstream definition of the same name (of ``name``, for a
-    partial class; in the upstream module of the overlay ``into``, when given)."""
-    return _marker(AMEND, fix, releases, into, name)
+    partial class; in the upstream module of the overlay ``into``, when given; a
+    partial class's new members right after upstream member ``after``, when given)."""
+    return _marker(AMEND, fix, releases, into, name, after)
 
 
 def add(fix: str, releases: str, into: str | None = None) -> Callable[[Definition], Definition]:

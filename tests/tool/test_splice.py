@@ -92,6 +92,23 @@ def test_new_methods_go_before_the_next_replaced_one_or_at_the_end(tmp_path):
                      "def second_phase(self):", "def untouched(self):", "def helper(a):"]
 
 
+def test_new_methods_go_after_the_member_a_partial_class_names(tmp_path):
+    """``after=``: a hook sits beside the method it hooks, apart from the lines other
+    fixes add at the end of the class."""
+    overlay = write_overlay(tmp_path, '''
+        @amend("F1", ">=0.18", after="__init__")
+        class Worker:
+            @call_at_end_of("__init__")
+            def _init_more(self):
+                self.y = 2
+        ''')
+    result = spliced(overlay)
+    order = [line.strip() for line in result.splitlines() if line.strip().startswith("def ")]
+    assert order == ["def __init__(self):", "def _init_more(self):", "def step(self):",
+                     "def untouched(self):", "def helper(a):"]
+    assert "        self.x = 1\n        self._init_more()\n" in result
+
+
 def test_imports_are_added_only_when_used_and_missing(tmp_path):
     overlay = write_overlay(tmp_path, '''
         import os
@@ -593,6 +610,9 @@ def test_later_fix_in_series_order_wins(tmp_path):
     ('@add("F1", ">=0.18")\ndef helper(a):\n    pass\n', "already defines it"),
     ('@amend("F1", ">=0.18")\n@amend("F1", ">=0.18")\ndef helper(a):\n    pass\n', "two variants"),
     ('@amend("F1", ">=0.18", name="Worker")\ndef helper(a):\n    pass\n', "name= is for @amend partial"),
+    ('@amend("F1", ">=0.18", after="step")\ndef helper(a):\n    pass\n', "after= is for @amend partial"),
+    ('@amend("F1", ">=0.18", after="gone")\nclass Worker:\n    def new(self):\n        pass\n',
+     "after='gone', but upstream Worker has no such member"),
     ('@amend("F1", ">=0.18")\ndef helper(a):\n    pass\n@amend("F1", ">=0.21")\ndef helper(a):\n    pass\n',
      "two variants"),
     ('LIMIT = 4\n@add("F1", ">=0.18")\ndef helper(a):\n    pass\n', "`LIMIT = 4` is a module-level"),

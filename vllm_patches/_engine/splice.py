@@ -48,6 +48,7 @@ class OverlayDefinition:
     position: int  # its index among the top-level definitions of ``source``
     into: Path | None = None  # the overlay whose upstream module receives it, if not source
     target: str | None = None  # the upstream class an @amend(..., name=...) partial amends
+    after: str | None = None  # the upstream member an @amend(..., after=...) partial's new ones follow
 
     @property
     def name(self) -> str:
@@ -235,15 +236,19 @@ def _parse_definition(path: Path, node: cst.ClassDef | cst.FunctionDef,
     bare = node.with_changes(decorators=[d for d in node.decorators if d not in markers])
     definitions = []
     for marker in markers:
-        args = _string_args(path, marker, ("fix", "releases"), optional=("into", "name"))
+        args = _string_args(path, marker, ("fix", "releases"),
+                            optional=("into", "name", "after"))
         into = (path.parent / args["into"]).resolve() if "into" in args else None
         if into is not None and not into.is_file():
             raise SpliceError(f"{path}: {node.name.value}: into={args['into']!r} is no overlay")
-        if "name" in args and (kinds != {AMEND} or not isinstance(node, cst.ClassDef)):
-            raise SpliceError(f"{path}: {node.name.value}: name= is for @amend partial classes")
+        for keyword in ("name", "after"):
+            if keyword in args and (kinds != {AMEND} or not isinstance(node, cst.ClassDef)):
+                raise SpliceError(
+                    f"{path}: {node.name.value}: {keyword}= is for @amend partial classes")
         definitions.append(OverlayDefinition(
             kind=_decorator_name(marker), fix=args["fix"], releases=SpecifierSet(args["releases"]),
-            node=bare, source=path, position=position, into=into, target=args.get("name")))
+            node=bare, source=path, position=position, into=into, target=args.get("name"),
+            after=args.get("after")))
     return definitions
 
 
@@ -378,17 +383,21 @@ def _module_bindings(module: cst.Module) -> set[str]:
 
 
 def _amend_class(upstream: cst.ClassDef, overlay: cst.ClassDef, path: Path,
-                 call_filters: CallFilters) -> cst.ClassDef:
+                 call_filters: CallFilters, after: str | None = None) -> cst.ClassDef:
     """Replace same-named members in place; insert new ones next to the replaced ones.
 
     New members that precede a replaced member in the overlay are inserted right
     before it; new members after the last replaced one follow it; with no replaced
-    member at all they go to the end of the class.
+    member at all they go right after upstream member ``after``, else to the end of
+    the class.
     """
     body = list(upstream.body.body)
     index = {_member_name(node): i for i, node in enumerate(body) if _member_name(node)}
     pending: list[cst.CSTNode] = []
-    cursor = len(body)
+    if after is not None and after not in index:
+        raise SpliceError(f"{path}: {overlay.name.value}: after={after!r}, but upstream "
+                          f"{upstream.name.value} has no such member")
+    cursor = index[after] + 1 if after is not None else len(body)
     hooks: list[tuple[tuple[str, ...], cst.FunctionDef]] = []
     for member in overlay.body.body:
         if _is_docstring(member):
@@ -511,7 +520,8 @@ def splice(upstream_source: str, definitions: list[OverlayDefinition],
         if isinstance(node, cst.ClassDef):
             if not isinstance(current, cst.ClassDef):
                 raise SpliceError(f"{path}: @amend class {name}, but upstream {name} is no class")
-            body[position] = _amend_class(current, node, path, call_filters)
+            body[position] = _amend_class(current, node, path, call_filters,
+                                          after=definition.after)
         else:
             body[position] = _with_leading(_blank_lines(current), node)
     module = module.with_changes(body=body)
