@@ -161,14 +161,16 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
     assert code == EXIT_REFUSED and len(err.strip().splitlines()) == 1
     assert "F3 requires F2 and stays applied: revert it too (add --fix F3)" in err
     assert snapshot(checkout) == before
-    code, out, _ = run(capsys, "revert", "--fix", "F4", str(checkout))
-    assert code == EXIT_OK and "done: F4" in out
+    # F5 changes the scheduler after F4 (before v0.22): the newest of a file's patches
+    # reverts by the ids alone.
+    code, out, _ = run(capsys, "revert", "--fix", "F5", str(checkout))
+    assert code == EXIT_OK and "done: F5" in out
     found = states(run(capsys, "status", str(checkout))[1])
     assert [found[f] for f in ("F2", "F3", "F4", "F5")] == [
-        "applied", "applied", "applicable (0004-F4-async-cpu-offload-register.patch)",
-        "applied"]
-    code, out, _ = run(capsys, "revert", "--fix", "F2,F3", "--fix", "F5", str(checkout))
-    assert code == EXIT_OK and "done: F2, F3, F5" in out
+        "applied", "applied", "applied",
+        "applicable (0005-F5-nixl-one-read-per-prompt.patch)"]
+    code, out, _ = run(capsys, "revert", "--fix", "F2,F3", "--fix", "F4", str(checkout))
+    assert code == EXIT_OK and "done: F2, F3, F4" in out
     assert git(checkout, "diff", base, "HEAD") == ""
 
 

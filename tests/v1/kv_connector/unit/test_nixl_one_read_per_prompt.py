@@ -209,17 +209,18 @@ def test_children_in_waves_release_the_prompt_when_it_is_read():
     assert sorted(pulls.notified) == others, "each child notifies the producer once"
 
 
-def test_children_that_arrive_after_the_read_release_the_prompt_at_once():
+@pytest.mark.parametrize("through", ["NixlConnector", "MultiConnector"])
+def test_children_that_arrive_after_the_read_release_the_prompt_at_once(through):
     """The front end adds a prompt's children one by one: in a real v0.21.0 pair
-    (n = 5, two seats, 89 tokens) two arrived after the first child's READ was done,
-    waited for a seat past the producer's 12 s timeout and notified it then: two
-    "Potentially invalid KV blocks" lines. From v0.22, where the scheduler tells the
-    connector of each arrival, a child that arrives after the READ tells the
-    producer at once, seated or not, and never reads."""
+    (n = 5, two seats, 89 tokens) children arrived after the first child's READ was
+    done, waited for a seat past the producer's 12 s timeout and notified it then:
+    "Potentially invalid KV blocks" lines. A child that arrives after the READ tells
+    the producer at once, seated or not, and never reads (the connector hears of
+    arrivals through on_new_request, upstream's from v0.22)."""
     vllm_config = create_vllm_config(max_num_seqs=2)
+    if through == "MultiConnector":
+        multi_connector(vllm_config)
     scheduler, [first] = queued_children(vllm_config, 1)
-    if not hasattr(scheduler.connector, "on_new_request"):
-        pytest.skip("requests reach the connector on arrival from v0.22")
     pulls = Pulls()
     started = pulls.step(scheduler, [first])
     assert started == {first.request_id}

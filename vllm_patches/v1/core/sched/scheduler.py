@@ -4,6 +4,8 @@ connector has something that only a step carries.
 
 F4: a connector whose ``idle_step_wait()`` is due counts as finished work, so an engine
 without requests runs one empty step, which carries the workers' reports.
+F5 (v0.18 - v0.21): the KV connector hears of each request as it arrives
+(on_new_request, which upstream's add_request calls from v0.22).
 F20: so does a finished request whose blocks the connector still holds, until a
 step's report frees them.
 F24 (v0.30): an async KV load is admitted only with room for the first speculative
@@ -43,6 +45,25 @@ class Scheduler:
             return False
         wait = idle_step_wait()
         return wait is not None and wait <= 0
+
+
+@amend("F5", ">=0.18.0,<0.22.0", after="_enqueue_waiting_request")
+class Scheduler:
+    """F5 before v0.22: upstream's on_new_request, called where a request joins the
+    waiting queue, away from the lines other fixes change in add_request."""
+
+    @call_at_end_of("_enqueue_waiting_request")
+    def _tell_connector_of_arrival(self, request: "Request") -> None:
+        """The connector hears of every request as it queues, seated or not: a child
+        that arrives after its prompt's READ releases the producer's blocks at once,
+        not when a decoder short of seats admits it, past the producer's timeout."""
+        if self.connector is not None:
+            self.connector.on_new_request(request)
+
+
+@amend("F5", ">=0.22.0")
+class Scheduler:
+    """F5 from v0.22: upstream's add_request tells the connector of each arrival."""
 
 
 @amend("F20", ">=0.18.0")

@@ -138,8 +138,16 @@ class NixlBaseConnector:
 @amend("F5", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnector")
 class NixlBaseConnector:
     """F5 before v0.22: the same release, against the producer's fixed timeout
-    (VLLM_NIXL_ABORT_REQUEST_TIMEOUT), of the requests that asked for the prompt:
-    upstream tells the connector of a request's arrival only from v0.22."""
+    (VLLM_NIXL_ABORT_REQUEST_TIMEOUT); the arrivals come from on_new_request, which
+    F5 adds to the scheduler and the base connector (upstream's from v0.22)."""
+
+    def on_new_request(self, request: "Request") -> None:
+        """Every request of a remote prompt, from its arrival."""
+        if self._prompt_reads is not None:
+            assert self.connector_scheduler is not None
+            self._prompt_reads.arrived(
+                request, self.connector_scheduler.request_finished
+            )
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         """The producer releases a prompt as soon as its one read is done, before
