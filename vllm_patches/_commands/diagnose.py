@@ -26,6 +26,7 @@ from datetime import datetime
 from itertools import chain
 from typing import TYPE_CHECKING, BinaryIO
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from vllm_patches._catalog.series import PACKAGE_DIR, specifier_set
@@ -449,6 +450,14 @@ class Symptom:
     releases: tuple  # SpecifierSets: where each of its fixes is needed
     opt_in: bool  # its fix's option is off by default: the fix being active is not enough
     single: frozenset[str] | None  # the fixes that apply to a request of n = 1, if fewer
+    # Fixes that remove the symptom on some releases only: their ranges there.
+    only_on: dict[str, SpecifierSet] = field(default_factory=dict)
+
+    def fixes_on(self, version: Version | None) -> tuple[FixRef, ...]:
+        """The fixes that remove the symptom on ``version`` (unknown: those without
+        ``only_on``)."""
+        return tuple(ref for ref in self.fixes if ref.id not in self.only_on
+                     or (version is not None and version in self.only_on[ref.id]))
 
 
 def load_symptoms() -> tuple[dict[str, re.Pattern], list[Symptom]]:
@@ -467,7 +476,9 @@ def load_symptoms() -> tuple[dict[str, re.Pattern], list[Symptom]]:
                                 entry["why"], tuple(refs),
                                 tuple(specifier_set(text) for text in ranges),
                                 entry.get("opt_in", False),
-                                frozenset(entry["single"]) if "single" in entry else None))
+                                frozenset(entry["single"]) if "single" in entry else None,
+                                {fix_id: specifier_set(text)
+                                 for fix_id, text in entry.get("only_on", {}).items()}))
     return {kind: re.compile(text) for kind, text in data["lines"].items()}, symptoms
 
 
@@ -476,16 +487,18 @@ def load_symptoms() -> tuple[dict[str, re.Pattern], list[Symptom]]:
 
 def find(engine: Engine, symptoms: list[Symptom]) -> list[dict]:
     """The findings in ``engine``'s log: a symptom shows, and not every fix that removes
-    it is active there (the fixes leave traces that look like it: F7's notifications of
-    a prompt it computed, the lease freeing a prompt nobody decodes)."""
+    it on the engine's release is active there (the fixes leave traces that look like
+    it: F7's notifications of a prompt it computed, the lease freeing a prompt nobody
+    decodes)."""
     findings = []
     for symptom in symptoms:
         hit = RULES[symptom.rule](engine, symptom)
         if hit is None:
             continue
-        fixes = [ref.on(engine) for ref in symptom.fixes
+        fixes = [ref.on(engine) for ref in symptom.fixes_on(engine.version)
                  if hit.fixes is None or ref.id in hit.fixes]
-        if fixes and not symptom.opt_in and all(state["active"] for state in fixes):
+        needed = [state for state in fixes if state["on_release"] in (None, "needed")]
+        if needed and not symptom.opt_in and all(state["active"] for state in needed):
             continue
         findings.append({
             "log": engine.name, "symptom": symptom.id, "text": symptom.text,
