@@ -126,7 +126,7 @@ def run_children(script: str, python: str, trees: dict[str, Path], release: str,
                 proc = subprocess.run(
                     [python, script, "--measure", json.dumps(payload)],
                     env=child_env(tree, Path(dist_root), hash_seed), cwd=tree,
-                    capture_output=True, text=True)
+                    capture_output=True, text=True, check=False)
                 if proc.returncode != 0:
                     sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
                     raise SystemExit(f"{name}: measurement failed")

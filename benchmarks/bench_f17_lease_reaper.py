@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _nixl_producer  # noqa: E402
+import _nixl_producer
 
 STEPS = 400
 WARMUP = 20

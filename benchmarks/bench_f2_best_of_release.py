@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _nixl_producer  # noqa: E402
+import _nixl_producer
 
 PROMPTS = 100
 BEST_OF = 8

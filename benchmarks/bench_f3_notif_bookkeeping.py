@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _nixl_producer  # noqa: E402
+import _nixl_producer
 
 STAGED = 8192
 BATCH = 256

@@ -38,7 +38,7 @@ def _pin_tensor_fn(tree: Path | None):
         from vllm.v1.simple_kv_offload.cuda_mem_ops import pin_tensor
 
         return pin_tensor, "vllm.v1.simple_kv_offload.cuda_mem_ops.pin_tensor"
-    except Exception as exc:  # vLLM or one of its dependencies is missing
+    except Exception as exc:  # noqa: BLE001 - vLLM or one of its dependencies is missing
         def pin_tensor(tensor: torch.Tensor) -> None:
             err = torch.cuda.cudart().cudaHostRegister(
                 tensor.data_ptr(), tensor.nbytes, 0)
@@ -103,7 +103,7 @@ def background(nbytes: int, pin_tensor, device: torch.device, idle_rate: float) 
             torch.cuda.set_device(device)  # as current_platform.set_device does
             tensor.zero_()
             pin_tensor(tensor)
-        except BaseException as exc:  # reported by the caller
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
             failure.append(exc)
         finally:
             done.set()

@@ -47,7 +47,7 @@ def snapshot(repo: Path) -> dict[str, object]:
     git directory's state of operations in progress (am, rebase, merge, cherry-pick)."""
     git_dir = Path(git(repo, "rev-parse", "--absolute-git-dir").strip())
     diff = subprocess.run(["git", "-C", str(repo), "diff", "HEAD", "--binary"],
-                          capture_output=True).stdout
+                          capture_output=True, check=False).stdout
     return {
         "HEAD": git(repo, "rev-parse", "HEAD"),
         "refs": git(repo, "for-each-ref", "--format=%(refname) %(objectname)"),

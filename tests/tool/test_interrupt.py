@@ -63,7 +63,8 @@ def start(*argv: str, cwd: Path | None = None, preexec_fn=None) -> tuple[subproc
     pytest), and when it became ready."""
     proc = subprocess.Popen([sys.executable, "-m", "vllm_patches", *argv], env=ENV, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=preexec_fn)
+                            # The test's one thread forks it: no lock to inherit held.
+                            start_new_session=True, preexec_fn=preexec_fn)  # noqa: PLW1509
     while not _ready(proc.pid):
         time.sleep(0.001)
     return proc, time.monotonic()

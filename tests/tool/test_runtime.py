@@ -1126,12 +1126,13 @@ def test_a_development_build_identical_at_every_target_runs_as_the_newest_covere
 
 
 @pytest.mark.parametrize(("installed", "why"), [
-    ("0.33.1.dev3+g1234567", "vLLM 0.33.1.dev3+g1234567 is a development build, and its code "
-                             "differs from v0.33.0's at core/worker.py:Worker.start (F2: changed)"),
-    ("0.33.0rc2", "vLLM 0.33.0rc2 is a pre-release, and its code differs from v0.33.0's at "
-                  "core/worker.py:Worker.start (F2: changed)"),
-    ("0.32.1.dev5", "vLLM 0.32.1.dev5 is a development build, and the series covers no release "
-                    "up to its base v0.32.1 (covered: v0.33.0 .. v0.33.0)"),
+    ("0.33.1.dev3+g1234567", ("vLLM 0.33.1.dev3+g1234567 is a development build, and its "
+                              "code differs from v0.33.0's at core/worker.py:Worker.start "
+                              "(F2: changed)")),
+    ("0.33.0rc2", ("vLLM 0.33.0rc2 is a pre-release, and its code differs from v0.33.0's at "
+                   "core/worker.py:Worker.start (F2: changed)")),
+    ("0.32.1.dev5", ("vLLM 0.32.1.dev5 is a development build, and the series covers no "
+                     "release up to its base v0.32.1 (covered: v0.33.0 .. v0.33.0)")),
 ])
 def test_a_development_build_that_differs_or_predates_the_series_is_not_active(
         on_v0_33_1, monkeypatch, caplog, installed, why):
