@@ -4,8 +4,6 @@ connector has something that only a step carries.
 
 F4: a connector whose ``idle_step_wait()`` is due counts as finished work, so an engine
 without requests runs one empty step, which carries the workers' reports.
-F5 (v0.18 - v0.21): the KV connector hears of each request as it arrives
-(on_new_request, which upstream's add_request calls from v0.22).
 F20: so does a finished request whose blocks the connector still holds, until a
 step's report frees them.
 F24 (v0.30): an async KV load is admitted only with room for the first speculative
@@ -14,6 +12,8 @@ F25 (v0.18 - v0.22): an async KV load is admitted only into blocks that the load
 prefills in flight do not still need (PR 44560, in v0.23).
 F26 (v0.18 - v0.20): a rejection notice ends as it is added, which runs its KV
 connector's request_finished (PR 41269, in v0.21).
+F5 (v0.18 - v0.21): the KV connector hears of each request as it queues
+(on_new_request, which upstream's add_request calls from v0.22).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -56,7 +56,8 @@ class Scheduler:
     def _tell_connector_of_arrival(self, request: "Request") -> None:
         """The connector hears of every request as it queues, seated or not: a child
         that arrives after its prompt's READ releases the producer's blocks at once,
-        not when a decoder short of seats admits it, past the producer's timeout."""
+        not when a decoder short of seats admits it, past the producer's timeout. (A
+        streaming request queues again; its remote prefill is behind it by then.)"""
         if self.connector is not None:
             self.connector.on_new_request(request)
 
