@@ -80,13 +80,15 @@ def pair(mode: str) -> HeteroPair:
 @MODES
 def test_no_expired_and_no_invalid_kv_with_two_decode_ranks(mode: str) -> None:
     """F2 with per-rank notifications: stock releases the read sibling at one child's
-    notifications and logs the other children's as invalid KV, one line per rank, and
-    the unread siblings expire; fixed neither."""
+    notifications and logs the other children's as invalid KV, and the unread siblings
+    expire; fixed neither. How many lines stock logs depends on the order in which
+    the ranks' notifications reach the producer: not asserted (12 in earlier runs, one
+    per rank per late child; 17 in a clean-clone run of 2026-11-30)."""
     run = pair(mode)
     run.check_reached()
     expired, invalid = run.record["expired_lines"], run.record["invalid_lines"]
     if bug_expected("F2", mode):
-        assert expired and invalid and len(invalid) % DECODER_TP == 0, (expired, invalid)
+        assert expired and invalid, (expired, invalid)
     else:
         assert (expired, invalid) == ([], []), (expired, invalid)
     assert run.record["usage_after_expiry"] == 0.0
