@@ -57,23 +57,23 @@ def test_a_conflict_blocks_only_the_fixes_that_require_it(checkout, capsys):
     before = snapshot(checkout)
     code, _, err = run(capsys, "apply", str(checkout))
     assert code == EXIT_REFUSED and len(err.strip().splitlines()) == 1, err
-    again = f"vllm-patches apply --fix F2,F3,F4,F5,F20,F22,F23,F25 {checkout}"
+    again = f"vllm-patches apply --fix F2,F3,F4,F5,F7,F20,F22,F23,F25 {checkout}"
     assert err.startswith("vllm-patches: refused: F1 conflicts: ") and f"`{again}`" in err
     assert snapshot(checkout) == before
     code, _, err = run(capsys, "apply", "--no-commit", "--check", str(checkout))
     assert code == EXIT_REFUSED
-    assert "apply --no-commit --check --fix F2,F3,F4,F5,F20,F22,F23,F25" in err
+    assert "apply --no-commit --check --fix F2,F3,F4,F5,F7,F20,F22,F23,F25" in err
 
     code, out, _ = run(capsys, *again.split()[1:])
-    assert code == EXIT_OK and "done: F2, F3, F4, F5, F20, F22, F23, F25" in out
-    applied = ("F2", "F3", "F4", "F5", "F20", "F22", "F23", "F25")
+    assert code == EXIT_OK and "done: F2, F3, F4, F5, F7, F20, F22, F23, F25" in out
+    applied = ("F2", "F3", "F4", "F5", "F7", "F20", "F22", "F23", "F25")
     assert subjects(checkout, base) == [title(f) for f in applied]
     code, out, _ = run(capsys, "status", str(checkout))
     found = states(out)
     assert code == EXIT_REFUSED and found["F1"].startswith("conflict (")
-    assert [found[f] for f in applied] == ["applied"] * 8
+    assert [found[f] for f in applied] == ["applied"] * 9
     code, out, _ = run(capsys, "revert", str(checkout))
-    assert code == EXIT_OK and "done: F2, F3, F4, F5, F20, F22, F23, F25" in out
+    assert code == EXIT_OK and "done: F2, F3, F4, F5, F7, F20, F22, F23, F25" in out
     assert git(checkout, "diff", base, "HEAD") == ""
 
 
@@ -93,8 +93,8 @@ def test_a_fix_whose_requirement_conflicts_is_blocked(checkout, capsys):
     code, _, err = run(capsys, "apply", str(checkout))
     assert code == EXIT_REFUSED and "F2 conflicts: " in err
     assert "F3 is blocked: requires F2, which conflicts" in err
-    others = f"`vllm-patches apply --fix F1,F4,F5,F20,F22,F25 {checkout}`"
-    assert f"{others} applies F1, F4, F5, F20, F22, F25" in err
+    others = f"`vllm-patches apply --fix F1,F4,F5,F7,F20,F22,F25 {checkout}`"
+    assert f"{others} applies F1, F4, F5, F7, F20, F22, F25" in err
 
 
 SERIES_F2_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/worker.py"
@@ -121,7 +121,7 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                            "F4": "applied",
                            "F5": "applicable (0005-F5-nixl-one-read-per-prompt.patch)",
                            "F6": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)",
-                           "F7": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)",
+                           "F7": "applicable (0006-F7-nixl-recompute-after-lapsed-lease.patch)",
                            "F8": "not applicable (needed on vLLM >=0.22.0, not on v0.21.0)",
                            "F17": "not applicable (needed on vLLM >=0.22.0,<0.31.0, not on "
                                   "v0.21.0)",
@@ -139,15 +139,15 @@ def test_a_subset_is_applied_reverted_and_recognized_from_the_patch_ids(checkout
                                   "v0.21.0)",
                            "F18": "not applicable (needed on vLLM >=0.30.0,<0.31.0, not on "
                                   "v0.21.0)",
-                           "F20": "applicable (0006-F20-idle-engine-steps-for-held-kv.patch)",
+                           "F20": "applicable (0007-F20-idle-engine-steps-for-held-kv.patch)",
                            "F21": "not applicable (needed on vLLM >=0.24.0,<0.26.0, not on "
                                   "v0.21.0)",
-                           "F22": "applicable (0007-F22-cpu-offload-store-after-compute.patch)",
-                           "F23": "applicable (0008-F23-nixl-failed-read-after-its-siblings"
+                           "F22": "applicable (0008-F22-cpu-offload-store-after-compute.patch)",
+                           "F23": "applicable (0009-F23-nixl-failed-read-after-its-siblings"
                                   ".patch)",
                            "F24": "not applicable (needed on vLLM >=0.30.0,<0.31.0, not on "
                                   "v0.21.0)",
-                           "F25": "applicable (0009-F25-async-load-reserve-in-flight.patch)",
+                           "F25": "applicable (0010-F25-async-load-reserve-in-flight.patch)",
                            "F26": "upstream (since v0.21.0)"}
     code, out, _ = run(capsys, "status", "--fix", "F3,F4", str(checkout))
     assert code == EXIT_OK and list(states(out)) == ["F3", "F4"]

@@ -159,12 +159,17 @@ class FakeClock:
 
 
 class Clock:
-    """``time.perf_counter`` as every engine sees it, moved forward at will."""
+    """``time.perf_counter`` as every engine sees it, moved forward at will; with
+    ``wall``, ``time.time`` too (what requests' arrival stamps are read against)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real = time.perf_counter
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, wall: bool = False) -> None:
         self.offset = 0.0
-        monkeypatch.setattr(time, "perf_counter", lambda: real() + self.offset)
+        for name in ("perf_counter", "time") if wall else ("perf_counter",):
+            real = getattr(time, name)
+            monkeypatch.setattr(time, name, self._moved(real))
+
+    def _moved(self, real: Callable[[], float]) -> Callable[[], float]:
+        return lambda: real() + self.offset
 
     def advance(self, seconds: float) -> None:
         self.offset += seconds
@@ -421,8 +426,9 @@ def remote_children(
 
 
 def renewed(metadata) -> bool:
-    """Whether a step's connector metadata renews the prompt's lease."""
-    info = metadata.heartbeat_by_engine.get("my-engine-id")
+    """Whether a step's connector metadata renews the prompt's lease (never before
+    v0.22: no heartbeats)."""
+    info = getattr(metadata, "heartbeat_by_engine", {}).get("my-engine-id")
     return info is not None and REMOTE_REQUEST_ID in info.req_ids
 
 

@@ -9,11 +9,17 @@ does not step for longer than that (a stall, a starved CPU), or a request whose
 first step comes later than that, lets the lease lapse: the producer releases the
 blocks, and upstream's decoder READs them anyway and serves whatever it read.
 
+Before v0.22 the producer holds the blocks for VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+from the prefill's end and nothing renews it: a request that waits for a seat, or
+across a stall, meets the same end.
+
 These tests drive the scheduler with the NIXL connector's scheduler side under a
-controlled clock (``time.perf_counter`` moved forward, as a stall does) and read
-each step's connector metadata as the decode workers get it. A lease of 30 s: the
-producer's extension is 20 s, the heartbeat interval 5 s, so the decoder vouches
-for a prompt 15 s after it arrived or after a heartbeat named it.
+controlled clock (``time.perf_counter`` and ``time.time`` moved forward, as a stall
+does) and read each step's connector metadata as the decode workers get it. A lease
+of 30 s: the producer's extension is 20 s, the heartbeat interval 5 s, so the decoder
+vouches for a prompt 15 s after it arrived or after a heartbeat named it. Before
+v0.22, a timeout of 30 s: the decoder vouches for half of it from the arrival, the
+same 15 s.
 """
 
 import pytest
@@ -25,6 +31,7 @@ from .nixl_harness import (
     REMOTE_REQUEST_ID,
     Clock,
     PullDecoder,
+    connector_module,
     remote_children,
 )
 from .utils import create_request, create_scheduler, create_vllm_config
@@ -32,10 +39,24 @@ from .utils import create_request, create_scheduler, create_vllm_config
 pytestmark = pytest.mark.cpu_test
 
 LEASE = {"kv_lease_duration": 30}
-# The producer's extension (20 s) less the heartbeat interval (5 s).
+TIMEOUT = "30"
+# The producer's extension (20 s) less the heartbeat interval (5 s); half the timeout.
 VOUCHED = 15
+# Step heartbeats renew the producer's hold from v0.22 (PR 41383).
+HEARTBEATS = hasattr(connector_module().NixlConnectorMetadata(), "heartbeat_by_engine")
 # Steps of a busy decoder: heartbeats go out every other one.
 STEP = 4
+
+
+@pytest.fixture(autouse=True)
+def producer_timeout(monkeypatch):
+    """The producer's hold before v0.22, as both engines read it."""
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", TIMEOUT)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    return Clock(monkeypatch, wall=True)
 
 
 def remote_prompt(
@@ -108,12 +129,14 @@ def read_or_computed(decoder: PullDecoder, request) -> str:
 
 
 @pytest.mark.parametrize("lapse", ["stalled", "waited"])
-def test_lapsed_lease_computes_prompt_locally(monkeypatch, lapse):
+def test_lapsed_lease_computes_prompt_locally(clock, lapse):
     """A decoder that did not step for longer than it can vouch for the lease
     (stalled: after heartbeats kept it while the prompt waited for blocks; waited:
-    before the prompt's first step) computes the prompt itself."""
-    clock = Clock(monkeypatch)
+    before the prompt's first step, also against the timeout before v0.22) computes
+    the prompt itself."""
     if lapse == "stalled":
+        if not HEARTBEATS:
+            pytest.skip("no heartbeats before v0.22: the waited case is the stall")
         scheduler, (blocker, request) = remote_prompt(1, blocker=True)
         decoder = PullDecoder(scheduler, [blocker, request])
         wait_out_blocker(decoder, clock, blocker)
@@ -126,21 +149,21 @@ def test_lapsed_lease_computes_prompt_locally(monkeypatch, lapse):
     )
 
 
-def test_a_request_queued_past_the_bound_computes_prompt_locally(monkeypatch):
+def test_a_request_queued_past_the_bound_computes_prompt_locally(clock):
     """A decode request that waited in the engine core's input queue (a stalled core
     takes no input) longer than the decoder can vouch for the lease, counted from
     its arrival at the front end: computed locally, never read. (A real pair: the
     producer had released the prompt by lease, and the decoder READ it.)"""
-    Clock(monkeypatch)
     scheduler, (request,) = remote_prompt(1, queued=VOUCHED + 1)
     decoder = PullDecoder(scheduler, [request])
     assert read_or_computed(decoder, request) == "computed"
 
 
-def test_renewed_lease_still_reads(monkeypatch):
+def test_renewed_lease_still_reads(clock):
     """Heartbeats kept the lease while the prompt waited longer than the lease
     itself: the decoder READs it, as upstream does."""
-    clock = Clock(monkeypatch)
+    if not HEARTBEATS:
+        pytest.skip("no heartbeats before v0.22: nothing renews the timeout")
     scheduler, (blocker, request) = remote_prompt(1, blocker=True)
     decoder = PullDecoder(scheduler, [blocker, request])
     wait_out_blocker(decoder, clock, blocker)
@@ -148,28 +171,25 @@ def test_renewed_lease_still_reads(monkeypatch):
     assert read_or_computed(decoder, request) == "read"
 
 
-def test_a_read_within_the_bound_is_upstreams(monkeypatch):
+def test_a_read_within_the_bound_is_upstreams(clock):
     """A prompt scheduled just inside the bound is read."""
-    clock = Clock(monkeypatch)
     scheduler, (request,) = remote_prompt(1)
     decoder = PullDecoder(scheduler, [request])
     clock.advance(VOUCHED - 1)
     assert read_or_computed(decoder, request) == "read"
 
 
-def test_switched_off_reads_as_upstream(monkeypatch):
+def test_switched_off_reads_as_upstream(clock):
     """recompute_after_lapsed_lease false: the decoder READs whatever the lease."""
-    clock = Clock(monkeypatch)
     scheduler, (request,) = remote_prompt(1, recompute_after_lapsed_lease=False)
     decoder = PullDecoder(scheduler, [request])
     clock.advance(VOUCHED + 1)
     assert read_or_computed(decoder, request) == "read"
 
 
-def test_children_read_nothing_after_the_lease_lapsed(monkeypatch):
+def test_children_read_nothing_after_the_lease_lapsed(clock):
     """The children of a parallel-sampling prompt whose lease may have lapsed:
     none READs it, each computes it or takes it from the local prefix cache."""
-    clock = Clock(monkeypatch)
     scheduler, children = remote_prompt(4)
     decoder = PullDecoder(scheduler, children)
     clock.advance(VOUCHED + 1)
@@ -185,13 +205,12 @@ def test_children_read_nothing_after_the_lease_lapsed(monkeypatch):
 
 @pytest.mark.parametrize("through", ["NixlConnector", "MultiConnector"])
 @pytest.mark.parametrize("n", [1, 4])
-def test_a_lapsed_prompt_is_neither_notified_nor_heartbeated(monkeypatch, n, through):
+def test_a_lapsed_prompt_is_neither_notified_nor_heartbeated(clock, n, through):
     """Once the decoder computes a prompt whose lease (PR 41383) may have lapsed, it
     sends the producer no notification for it (no READ happened: a producer that
     released the prompt by lease logs "Potentially invalid KV blocks") and no
     heartbeat after the step that scheduled it; every request finishes. (A real
     pair through a MultiConnector, decoder stalled 22 s with a lease of 20 s.)"""
-    clock = Clock(monkeypatch)
     scheduler, children = remote_prompt(n, max_tokens=6, through=through)
     decoder = PullDecoder(scheduler, children)
     clock.advance(VOUCHED + 1)
@@ -217,14 +236,13 @@ def test_a_lapsed_prompt_is_neither_notified_nor_heartbeated(monkeypatch, n, thr
 
 
 @pytest.mark.parametrize("through", ["NixlConnector", "MultiConnector"])
-def test_a_late_child_of_a_lapsed_prompt_notifies_nothing(monkeypatch, through):
+def test_a_late_child_of_a_lapsed_prompt_notifies_nothing(clock, through):
     """Two children of a prompt queued past the bound (a stalled engine core; PR
     41383's lease may have lapsed) reach the scheduler apart: the first computes the
     prompt and finishes, the second then takes it from the prefix cache. Neither READs
     nor notifies the producer. (A real pair through a MultiConnector, decoder stalled
     22 s with a lease of 20 s: the second child's notification was logged as
     "Potentially invalid KV blocks".)"""
-    clock = Clock(monkeypatch)
     scheduler, (first,) = remote_prompt(1, queued=VOUCHED + 1, through=through)
     decoder = PullDecoder(scheduler, [first])
     for _ in range(4):
@@ -255,14 +273,13 @@ def test_a_late_child_of_a_lapsed_prompt_notifies_nothing(monkeypatch, through):
 @pytest.mark.parametrize("through", ["NixlConnector", "MultiConnector"])
 @pytest.mark.parametrize("n", [1, 4])
 def test_a_request_that_leaves_unscheduled_after_the_lapse_notifies_nothing(
-    monkeypatch, n, through
+    clock, n, through
 ):
     """The decoder stalls past the bound with the children of a prompt queued (PR
     41383's lease may have lapsed), and their client leaves before any was
     scheduled: the decoder sends the producer nothing for them. Upstream notifies
     for each, as for any request that ends unscheduled, and a producer that released
     the prompt by lease logs "Potentially invalid KV blocks"."""
-    clock = Clock(monkeypatch)
     scheduler, children = remote_prompt(n, through=through)
     decoder = PullDecoder(scheduler, children)
     clock.advance(VOUCHED + 1)
@@ -276,10 +293,9 @@ def test_a_request_that_leaves_unscheduled_after_the_lapse_notifies_nothing(
     )
 
 
-def test_a_request_that_leaves_unscheduled_in_time_notifies_the_producer(monkeypatch):
+def test_a_request_that_leaves_unscheduled_in_time_notifies_the_producer(clock):
     """Within the bound, a request that leaves unscheduled notifies the producer,
     as upstream does, so that it frees the prompt at once."""
-    clock = Clock(monkeypatch)
     scheduler, children = remote_prompt(1)
     decoder = PullDecoder(scheduler, children)
     clock.advance(VOUCHED - 1)

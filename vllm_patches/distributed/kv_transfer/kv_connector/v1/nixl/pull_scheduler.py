@@ -2,15 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Overlay of ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``.
 
-F7 (KV leases, from v0.22): a READ only while the decoder can vouch for the remote
-prompt's lease (the bound kept in ``nixl/base_scheduler.py``); past it, 0 tokens,
-and neither a notification nor heartbeats for the request, also one that ends before
-it was scheduled.
+F7: a READ only while the decoder can vouch that the producer holds the remote prompt;
+past that bound, 0 tokens, and neither a notification nor heartbeats for the request,
+also one that ends before it was scheduled. With KV leases (v0.22+) the bound is kept
+in ``nixl/base_scheduler.py``; before, against the producer's fixed timeout, it is a
+request's arrival plus half that timeout (``nixl/scheduler.py``, ``nixl_connector.py``
+up to v0.19).
 """
 
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from vllm import envs
 
 from vllm_patches._overlay import (
     amend,
@@ -85,3 +89,75 @@ class NixlPullConnectorScheduler:
         if self._request_lease_may_have_lapsed(req_id):
             self._left_after_lapse.add(req_id)
         self._stop_heartbeat(req_id)
+
+
+@amend("F7", ">=0.20.0,<0.22.0", into="scheduler.py", name="NixlConnectorScheduler")
+@amend(
+    "F7", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorScheduler"
+)
+class NixlPullConnectorScheduler:
+    """F7 before v0.22: no READ of a prompt the producer may have freed by its fixed
+    timeout, which nothing renews; judged per request from its arrival, no state."""
+
+    def _timeout_vouch_window(self) -> float | None:
+        """Seconds after a decode request's arrival at the front end that the producer
+        surely holds its prompt: half of VLLM_NIXL_ABORT_REQUEST_TIMEOUT, which the
+        producer counts from the prefill's end (the other half covers the proxy's hop
+        and the READ); both sides are assumed to share it. None when
+        kv_connector_extra_config["recompute_after_lapsed_lease"] is false."""
+        vllm_config = getattr(self, "vllm_config", None)
+        config = getattr(vllm_config, "kv_transfer_config", None)
+        if config is not None and not config.get_from_extra_config(
+            "recompute_after_lapsed_lease", True
+        ):
+            return None
+        return envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT / 2
+
+    def _past_timeout_bound(self, request: "Request") -> bool:
+        """Whether the producer may have freed the prompt decode request ``request``
+        reads by timeout. Counted from the front end's arrival stamp (time.time(), same
+        host): a busy or stalled engine core takes no input."""
+        window = self._timeout_vouch_window()
+        if window is None or (request.kv_transfer_params or {}).get("do_remote_decode"):
+            return False
+        return time.time() - request.arrival_time > window
+
+    @filter_result_of("get_num_new_matched_tokens")
+    def _unless_timeout_may_have_passed(
+        self, answer: tuple[int, bool], request: "Request"
+    ) -> tuple[int, bool]:
+        """The answer for ``request``, or 0 external tokens for a READ past the bound:
+        the prompt is computed locally, and the request is marked done with the
+        producer as upstream marks one after its transfer (do_remote_prefill false), so
+        it notifies nothing. One WARNING per request."""
+        num_tokens, load_async = answer
+        params = request.kv_transfer_params
+        if not (
+            load_async and num_tokens and params and params.get("do_remote_prefill")
+        ):
+            return answer
+        if not self._past_timeout_bound(request):
+            return answer
+        logger.warning(
+            "Not reading the KV of remote request %s for request %s: it arrived %.1f s "
+            "ago, past half of VLLM_NIXL_ABORT_REQUEST_TIMEOUT (%d s), so the producer "
+            "may have released its blocks. Computing the prompt locally.",
+            params.get("remote_request_id"),
+            request.request_id,
+            time.time() - request.arrival_time,
+            envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT,
+        )
+        params["do_remote_prefill"] = False
+        return 0, False
+
+    @redirect_call_in("build_connector_meta", "self._reqs_need_recv.items")
+    def _receives_in_time(self) -> list[tuple[str, tuple["Request", Any]]]:
+        """The step's receives, less each empty one (a notification only: a full
+        prefix hit, a request that ended unscheduled, a sibling F5 releases) of a
+        request past the bound: it would name blocks the producer may have freed
+        ("Potentially invalid KV blocks"); the timeout frees the prompt."""
+        return [
+            (req_id, (request, block_ids))
+            for req_id, (request, block_ids) in self._reqs_need_recv.items()
+            if any(block_ids) or not self._past_timeout_bound(request)
+        ]
