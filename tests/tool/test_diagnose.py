@@ -170,9 +170,11 @@ def test_fixed_log_shows_nothing(tmp_path, capsys, symptom):
 
 @pytest.mark.parametrize(("mode", "fixes"), [
     ("stock", {"F5": False, "F6": False, "F7": False, "F8": False}), ("fixed", None)])
-def test_children_read_past_the_timeout_before_leases_need_f5(tmp_path, capsys, mode, fixes):
-    """Before v0.22 (a fixed timeout, no heartbeats: F6-F8 do not exist there) the
-    children that waited for a seat past the timeout are F5's: a fixed engine is quiet."""
+def test_children_read_past_the_timeout_before_leases_need_f5_and_f7(tmp_path, capsys, mode,
+                                                                     fixes):
+    """Before v0.22 (a fixed timeout, no heartbeats: F6 and F8 do not exist there) the
+    children that waited for a seat past the timeout are F5's and F7's: a fixed engine
+    is quiet."""
     lines = startup("0.21.0", mode) + [expired_v21(f"{i}_{P}") for i in range(3)] + [
         invalid(f"{i}_{P}") for i in range(3)]
     _, found, _ = findings(capsys, str(write(tmp_path, lines)))
@@ -182,18 +184,22 @@ def test_children_read_past_the_timeout_before_leases_need_f5(tmp_path, capsys, 
     [finding] = found
     assert finding["symptom"] == "kv-served-after-lease"
     assert {s["id"]: s["active"] for s in finding["fixes"]} == fixes
-    assert [s["id"] for s in finding["fixes"] if s["on_release"] == "needed"] == ["F5"]
+    assert [s["id"] for s in finding["fixes"] if s["on_release"] == "needed"] == ["F5", "F7"]
 
 
-def test_a_request_read_past_the_timeout_before_leases_has_no_fix_there(tmp_path, capsys):
-    """n = 1 on v0.21: no fix of that release removes it; the finding names F7 and F8,
-    needed from v0.22, even on a fixed engine."""
-    lines = startup("0.21.0", "fixed") + [expired_v21("cmpl-one-0-0a0b0c0d"),
-                                          invalid("cmpl-one-0-0a0b0c0d")]
-    _, [finding], _ = findings(capsys, str(write(tmp_path, lines)))
-    assert [s["id"] for s in finding["fixes"]] == ["F7", "F8"]
-    assert {s["on_release"] for s in finding["fixes"]} == {
-        "not applicable: needed on vLLM >=0.22.0, not on v0.21.0"}
+@pytest.mark.parametrize("mode", ["stock", "fixed"])
+def test_a_request_read_past_the_timeout_before_leases_needs_f7(tmp_path, capsys, mode):
+    """n = 1 on v0.21: F7 (against the timeout there) removes it, F8 is needed from
+    v0.22 only; a fixed engine is quiet."""
+    lines = startup("0.21.0", mode) + [expired_v21("cmpl-one-0-0a0b0c0d"),
+                                       invalid("cmpl-one-0-0a0b0c0d")]
+    _, found, _ = findings(capsys, str(write(tmp_path, lines)))
+    if mode == "fixed":
+        assert found == []
+        return
+    [finding] = found
+    assert {s["id"]: s["on_release"] for s in finding["fixes"]} == {
+        "F7": "needed", "F8": "not applicable: needed on vLLM >=0.22.0, not on v0.21.0"}
 
 
 # aws-samples/aws-do-eks PR 84 (2026-08-16): a prefill worker's log, where each line
