@@ -62,9 +62,10 @@ INVALID = "Potentially invalid KV blocks"
 # The first release with push mode (NixlPushConnector): an older one runs a push draw's
 # prompts through a pull pair.
 PUSH_SINCE = Version("0.24.0")
-# The first release whose decoder renews the producer's lease (heartbeats). Before it,
-# a READ that starts past the lease reads freed KV, stock and fixed alike: no fix of
-# those releases can tell the producer that a child still waits (F6-F8 start here).
+# The first release whose decoder renews the producer's lease (heartbeats). Before it
+# the producer frees a prompt by a fixed timeout, whatever its children wait for: a
+# decoder with F7 computes such a prompt itself rather than READ it (F6 and F8 start
+# here).
 HEARTBEATS_SINCE = Version("0.22.0")
 
 
@@ -373,9 +374,10 @@ def violations(record: dict[str, Any]) -> list[str]:
     invalid-KV line names its prompt (TP 1). Every fix on both engines: no invalid-KV
     line. A pull producer with F2 and F8 frees a prompt under a READ only by lease;
     before heartbeats (``HEARTBEATS_SINCE``), one with F2 frees only prompts a READ
-    reached late. No prompt released by lease unless its decode leg came late, a
-    stall froze the decoder within its lease (then, pull, no READ of it after the stall:
-    F7) or its calls ended with a kill: every fix on both engines, or a pull decoder with
+    reached late, and none beside a decoder with F7. No prompt released by lease
+    unless its decode leg came late, a stall froze the decoder within its lease (then,
+    pull, no READ of it after the stall: F7) or its calls ended with a kill: every fix
+    on both engines, or a pull decoder with
     F6 (heartbeats are upstream's), where a producer without F2 may still let the
     siblings no child reads expire (F2's bug)."""
     params, found = record["params"], []
@@ -388,14 +390,15 @@ def violations(record: dict[str, Any]) -> list[str]:
     decoder_events = probe_events(run_dir, "decoder.probe.jsonl")
     expired = record["producer_lines"][EXPIRED]
     invalid = record["producer_lines"][INVALID] + record["decoder_lines"][INVALID]
-    if Version(record["release"]) < HEARTBEATS_SINCE:
+    timeout_layout = Version(record["release"]) < HEARTBEATS_SINCE
+    if both or (timeout_layout and "F2" in fixes["producer"] and "F7" in fixes["decoder"]):
+        found += [f"invalid-KV line: {line.strip()[-200:]}" for line in invalid]
+    elif timeout_layout:
         if "F2" in fixes["producer"]:
             found += [f"invalid-KV line for a prompt READ in time: {line.strip()[-200:]}"
                       for line in invalid if not any(
                           _names(flow, line) and _read_late(flow, decoder_events, params)
                           for flow in record["flows"])]
-    elif both:
-        found += [f"invalid-KV line: {line.strip()[-200:]}" for line in invalid]
     elif pull and {"F2", "F8"} <= fixes["producer"]:
         found += [f"invalid-KV line for a prompt not released by lease: {line.strip()[-200:]}"
                   for line in invalid if not any(_names(flow, line) and _names(flow, *expired)
@@ -474,9 +477,9 @@ def _released_by_lease(record: dict[str, Any], expired: list[str],
 def _kv_problems(record: dict[str, Any], producer_events: list[dict[str, Any]],
                  decoder_events: list[dict[str, Any]], warned: set[int]) -> list[str]:
     """``analysis.prompt_kv_problems`` for every prompt whose decode leg was served whole
-    (its n choices) with KV the producer sent: not a stalled prompt the decoder computed
-    itself (no READ or WRITE of it), nor one whose call ended with a kill, nor one an
-    invalid-KV line warned of (index in ``warned``)."""
+    (its n choices) with KV the producer sent: not a prompt the decoder computed itself
+    (a stalled one; pull, any it READ none of: F7 past its bound), nor one whose call
+    ended with a kill, nor one an invalid-KV line warned of (index in ``warned``)."""
     params = record["params"]
     advertised = {}
     for event in producer_events:
@@ -488,6 +491,10 @@ def _kv_problems(record: dict[str, Any], producer_events: list[dict[str, Any]],
         if decode.get("status") != 200 or decode.get("choices") != flow["n"]:
             continue
         if params["fault"]["kind"] == "stall" and params["fault"]["prompt"] == flow["index"]:
+            continue
+        if params["mode"] == "pull" and not any(
+                event["event"] == "read" and flow["key"] in event["notif"]
+                for event in decoder_events):
             continue
         if flow["t_end"] >= record.get("killed", {}).get("t", float("inf")):
             continue

@@ -134,15 +134,17 @@ def test_a_release_without_push_mode_draws_the_same_prompts_pulled() -> None:
 
 @pytest.mark.parametrize(("read_at", "fix_sets", "broken"), [
     (1.0, BOTH, True), (1.0, STOCK_DECODER, True),
-    # A READ that starts past the lease reads freed KV: no heartbeat before v0.22.
-    (19.0, BOTH, False),
+    # A READ past the timeout: F7 on the decoder computes such a prompt instead.
+    (19.0, BOTH, True),
+    # A decoder without F7 READs it; no heartbeat before v0.22 told the producer.
+    (19.0, STOCK_DECODER, False),
     # A producer without F2 frees the read sibling at the first child's notification.
     (1.0, STOCK_PRODUCER, False),
 ])
 def test_an_invalid_line_before_heartbeats(tmp_path: Path, read_at: float,
                                            fix_sets: dict[str, str], broken: bool) -> None:
-    """On v0.21 (no heartbeats) a producer with F2 frees only prompts a READ reached
-    late (lease 20 s, prefilled at 0 s)."""
+    """On v0.21 (no heartbeats, a timeout of 20 s, prefilled at 0 s) a producer with F2
+    frees only prompts a READ reached late, and none beside a decoder with F7."""
     (tmp_path / "decoder.probe.jsonl").write_text(json.dumps(
         {"t": read_at, "event": "read", "op": "READ", "notif": f"{READ_SIBLING}:1"}) + "\n")
     old = {**record(tmp_path, "pull", fix_sets, [EXPIRED], [INVALID]), "release": "0.21.0"}
