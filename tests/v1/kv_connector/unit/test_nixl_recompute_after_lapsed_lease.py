@@ -11,8 +11,8 @@ blocks, and upstream's decoder READs them anyway and serves whatever it read.
 
 Before v0.22 the producer holds the blocks for VLLM_NIXL_ABORT_REQUEST_TIMEOUT
 from the prefill's end and nothing renews it: a request that waits for a seat, or
-across a stall, meets the same end (issue 21570: "the D node retrieves the already
-released kv blocks, leading to abnormal precision").
+across a stall, meets the same end (upstream issue 21570: "the D node retrieves
+the already released kv blocks, leading to abnormal precision").
 
 These tests drive the scheduler with the NIXL connector's scheduler side under a
 controlled clock (``time.perf_counter`` and ``time.time`` moved forward, as a stall
