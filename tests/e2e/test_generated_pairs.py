@@ -9,7 +9,7 @@ arrival, decode legs in prefill order and reversed; decoder TP 1 and 2; no fault
 client abort and a decoder stall (kills, drawn since, are searched, not in CI); decoder
 seats held past the lease or not; every fix on both engines, and an upgrade in progress
 with either engine behind (stock, or every fix but F5). They run on the newest layout;
-one of them on the old lease reaper's release too (v0.30.0: F17, F18), and one on the
+one of them on the old lease reaper's release too (v0.30.0: F17, F18), and three on the
 layout before leases (v0.21.0, where a push draw runs pulled).
 ``tools/scenario_search.py`` runs any other seed, stock or fixed, on either.
 """
@@ -43,8 +43,11 @@ OLD_REAPER_SEEDS = [102]
 # than a block, one of 3 blocks), 8 seats, timeout 12 s, prompts one after another in
 # reverse order, no fault; 62: n 5 in waves of 2, 89 tokens, timeout 12 s, concurrent
 # (children that wait for a seat, or arrive, after the READ, past the timeout: it
-# found F5's two gaps there, docs/real-engine-lane.md, "Generated pairs").
-TIMEOUT_SEEDS = [0, 62]
+# found F5's two gaps there, docs/real-engine-lane.md, "Generated pairs"); 66: decoder
+# TP 2, n 8 and 2, 8 seats, timeout 12 s, concurrent, the decoder stalled 14 s (F7
+# computes the prompts that waited past half the timeout; stock logs 18 invalid-KV
+# lines).
+TIMEOUT_SEEDS = [0, 62, 66]
 
 
 def ci_seeds() -> list[int]:
