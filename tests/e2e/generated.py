@@ -377,9 +377,8 @@ def violations(record: dict[str, Any]) -> list[str]:
     reached late, and none beside a decoder with F7. No prompt released by lease
     unless its decode leg came late, a stall froze the decoder within its lease (then,
     pull, no READ of it after the stall: F7) or its calls ended with a kill: every fix
-    on both engines, or a pull decoder with
-    F6 (heartbeats are upstream's), where a producer without F2 may still let the
-    siblings no child reads expire (F2's bug)."""
+    on both engines, or a pull decoder with F6 (heartbeats are upstream's), where a
+    producer without F2 may still let the siblings no child reads expire (F2's bug)."""
     params, found = record["params"], []
     fixes = {role: fixes_run(fix_set, record["release"])
              for role, fix_set in record["fix_sets"].items()}
