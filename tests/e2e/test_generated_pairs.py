@@ -2,15 +2,16 @@
 invariant of ``generated.violations``.
 
 The seeds were chosen, from ``draw`` of seeds 0-299, so that together they draw every
-value of every dimension at least once: pull and push; plain
-connector and ``MultiConnector``; 1 and 3 prompts, n = 1 and 8, with and without a partial
-last block; decoder seats 2, 4 and 8; leases 12, 20 and 30 s; sequential and concurrent
-arrival, decode legs in prefill order and reversed; decoder TP 1 and 2; no fault, a
-client abort and a decoder stall (kills, drawn since, are searched, not in CI); decoder
-seats held past the lease or not; every fix on both engines, and an upgrade in progress
-with either engine behind (stock, or every fix but F5). They run on the newest layout;
-one of them on the old lease reaper's release too (v0.30.0: F17, F18), and three on the
-layout before leases (v0.21.0, where a push draw runs pulled).
+value of most dimensions: pull and push; plain connector and ``MultiConnector``; 1 and 3
+prompts, n = 1 and 8, with and without a partial last block; decoder seats 2, 4 and 8;
+leases 12 and 20 s; sequential and concurrent arrival, decode legs in prefill order and
+reversed; decoder TP 1 and 2; no fault, a client abort and a decoder stall (kills are
+searched, not in CI); decoder seats held past the lease or not; every fix on both
+engines, and an upgrade in progress with the producer behind (stock, or every fix but
+F5). A decoder behind runs in ``test_f2_f3_nixl_pair.py``'s fix-set pairs, TP 2 on the
+newest layout in ``test_hetero_tp_pair.py``. ``CI_SEEDS`` run on the newest layout, one
+seed on the old lease reaper's release (v0.30.0: F17, F18), two on the layout before
+leases (v0.21.0, where a push draw runs pulled).
 ``tools/scenario_search.py`` runs any other seed, stock or fixed, on either.
 """
 
@@ -39,15 +40,14 @@ pytestmark = pytest.mark.engine
 # budget: the TP-2 pair (test_hetero_tp_pair.py) and seed 241 cover what it drew.
 CI_SEEDS = [219, 241, 133]
 OLD_REAPER_SEEDS = [102]
-# On v0.21.0 (a fixed timeout, no heartbeats): 0: pull, n 8 and 6 (a prompt shorter
-# than a block, one of 3 blocks), 8 seats, timeout 12 s, prompts one after another in
-# reverse order, no fault; 62: n 5 in waves of 2, 89 tokens, timeout 12 s, concurrent
-# (children that wait for a seat, or arrive, after the READ, past the timeout: it
-# found F5's two gaps there, docs/real-engine-lane.md, "Generated pairs"); 66: decoder
-# TP 2, n 8 and 2, 8 seats, timeout 12 s, concurrent, the decoder stalled 14 s (F7
-# computes the prompts that waited past half the timeout; stock logs 18 invalid-KV
-# lines).
-TIMEOUT_SEEDS = [0, 62, 66]
+# On v0.21.0 (a fixed timeout, no heartbeats): 62: n 5 in waves of 2, 89 tokens,
+# timeout 12 s, concurrent (children that wait for a seat, or arrive, after the READ,
+# past the timeout: it found F5's two gaps there, docs/real-engine-lane.md, "Generated
+# pairs"); 66: decoder TP 2, n 8 and 2, 8 seats, timeout 12 s, concurrent, the decoder
+# stalled 14 s (F7 computes the prompts that waited past half the timeout; stock logs 18
+# invalid-KV lines). Seed 0 (no fault, n 8 and 6, sequential) ran until 2026-11-30 and
+# was cut for CI's budget: 62 draws no fault either.
+TIMEOUT_SEEDS = [62, 66]
 
 
 def ci_seeds() -> list[int]:
