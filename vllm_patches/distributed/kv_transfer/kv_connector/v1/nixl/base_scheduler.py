@@ -5,6 +5,7 @@
 NIXL decode scheduler heartbeats (KV leases, from v0.22; ``NixlConnectorScheduler``
 in ``nixl/scheduler.py`` up to v0.23): F6 keeps a shared prompt heartbeated until its
 last child stops, F7 keeps a bound on each prompt's lease, F8 marks posted READs.
+F7's switch is here on every layout (``nixl_connector.py`` up to v0.19).
 """
 
 import dataclasses
@@ -67,6 +68,25 @@ class NixlBaseConnectorScheduler:
 
 
 @amend("F7", ">=0.24.0")
+@amend("F7", ">=0.20.0,<0.24.0", into="scheduler.py", name="NixlConnectorScheduler")
+@amend(
+    "F7", ">=0.18.0,<0.20.0", into="../nixl_connector.py", name="NixlConnectorScheduler"
+)
+class NixlBaseConnectorScheduler:
+    """F7's switch, read the same way on every layout."""
+
+    def _recomputes_after_lapsed_lease(self) -> bool:
+        """Whether a prompt the producer may have released is computed, not READ:
+        kv_connector_extra_config["recompute_after_lapsed_lease"], true unless set
+        false (also for a scheduler built without __init__, in tests)."""
+        vllm_config = getattr(self, "vllm_config", None)
+        config = getattr(vllm_config, "kv_transfer_config", None)
+        return config is None or bool(
+            config.get_from_extra_config("recompute_after_lapsed_lease", True)
+        )
+
+
+@amend("F7", ">=0.24.0")
 @amend("F7", ">=0.22.0,<0.24.0", into="scheduler.py", name="NixlConnectorScheduler")
 class NixlBaseConnectorScheduler:
     """F7: the time until which the decoder can vouch for each prompt's lease."""
@@ -75,13 +95,8 @@ class NixlBaseConnectorScheduler:
     def _lease_vouch_window(self) -> float | None:
         """Seconds after a renewal the producer surely holds the lease: its extension
         (lease * 2 // 3) less the heartbeat interval (lease // 6); None when
-        kv_connector_extra_config["recompute_after_lapsed_lease"] is false or no window
-        is left."""
-        vllm_config = getattr(self, "vllm_config", None)
-        config = getattr(vllm_config, "kv_transfer_config", None)
-        if config is not None and not config.get_from_extra_config(
-            "recompute_after_lapsed_lease", True
-        ):
+        recompute_after_lapsed_lease is off or no window is left."""
+        if not self._recomputes_after_lapsed_lease():
             return None
         lease = self._kv_lease_duration
         window = lease * 2 // 3 - lease // 6

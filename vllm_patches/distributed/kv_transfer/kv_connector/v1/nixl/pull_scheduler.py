@@ -104,12 +104,8 @@ class NixlPullConnectorScheduler:
         surely holds its prompt: half of VLLM_NIXL_ABORT_REQUEST_TIMEOUT, which the
         producer counts from the prefill's end (the other half covers the proxy's hop
         and the READ); both sides are assumed to share it. None when
-        kv_connector_extra_config["recompute_after_lapsed_lease"] is false."""
-        vllm_config = getattr(self, "vllm_config", None)
-        config = getattr(vllm_config, "kv_transfer_config", None)
-        if config is not None and not config.get_from_extra_config(
-            "recompute_after_lapsed_lease", True
-        ):
+        recompute_after_lapsed_lease is off."""
+        if not self._recomputes_after_lapsed_lease():
             return None
         return envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT / 2
 
