@@ -5,7 +5,8 @@
 NIXL decode scheduler heartbeats (KV leases, from v0.22; ``NixlConnectorScheduler``
 in ``nixl/scheduler.py`` up to v0.23): F6 keeps a shared prompt heartbeated until its
 last child stops, F7 keeps a bound on each prompt's lease, F8 marks posted READs.
-F7's switch is here on every layout (``nixl_connector.py`` up to v0.19).
+F7's switch is here on every layout (``nixl/scheduler.py`` up to v0.23,
+``nixl_connector.py`` up to v0.19).
 """
 
 import dataclasses
